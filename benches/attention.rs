@@ -1,0 +1,436 @@
+//! Forward attention timings: `burn-flash` (this crate's fused op) against Burn's own
+//! `attention_fallback` (`burn-unfused`) and `attention` (`burn-builtin`), as CSV on stdout with
+//! the columns of `../shared/tools/torch_sdpa_bench.py`, so both tables can be joined:
+//!
+//! ```text
+//! impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops
+//! ```
+//!
+//! On CUDA (built with `--features cuda` and a device present) it runs bf16 on the
+//! FlashAttention-2 shapes: 16k tokens (`b = 16384 / n`), hidden 2048 (`h = 2048 / d`),
+//! `n` 512..16384, `d` 64 and 128, causal and not. Elsewhere it runs f32 on `burn::backend::Wgpu`
+//! with small shapes (it may be lavapipe, a CPU).
+//!
+//! Method: a first call (compilation, autotune) and `--warmup` more calls are not timed; then
+//! `--iters` calls, each synchronised with the device and timed alone, rotating between
+//! `--sets` independent input sets so no call finds its inputs in cache; the median is reported.
+//! TFLOPS counts `4·b·h·n²·d`, halved when causal. A call slower than `--budget-ms` skips the
+//! row with a `#` comment line, and so do the longer lengths of that implementation (also when
+//! the last length's time, scaled by the FLOPs, predicts a call over the budget: a first call,
+//! with its autotune, cannot be interrupted); a call that fails prints an `error` row.
+//!
+//! ```text
+//! cargo bench --features cuda --bench attention -- --d 64,128 --n 1024,4096 --causal both
+//! ```
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::{Duration, Instant};
+
+use burn::backend::wgpu::WgpuDevice;
+use burn::backend::Wgpu;
+use burn::tensor::module::{attention, attention_fallback};
+use burn::tensor::{DType, Distribution, Tensor};
+use burn_flash::{
+    flash_attention, flash_attention_plan, FlashAttentionBackend, FlashAttentionOptions,
+};
+
+const USAGE: &str = "\
+usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--causal both|true|false]
+                 [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
+                 [--backend auto|cuda|wgpu] [--iters N] [--warmup N] [--sets N]
+                 [--budget-ms MS] [--row-seconds S] [--modes fwd]
+--b / --h: 0 (default) means 16384 / n and 2048 / d on CUDA (the FlashAttention-2 shapes),
+           1024 / n and 256 / d on wgpu.";
+
+const IMPLS: [&str; 3] = ["burn-flash", "burn-unfused", "burn-builtin"];
+
+#[derive(Clone, Debug)]
+struct Args {
+    d: Vec<usize>,
+    n: Vec<usize>,
+    b: usize,
+    h: usize,
+    causal: Vec<bool>,
+    impls: Vec<String>,
+    dtype: Option<DType>,
+    backend: String,
+    iters: Option<usize>,
+    warmup: Option<usize>,
+    sets: usize,
+    budget_ms: Option<f64>,
+    row_seconds: f64,
+}
+
+fn list(value: &str) -> Vec<usize> {
+    value
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.trim()
+                .parse()
+                .unwrap_or_else(|_| fail(&format!("not a number: {s}")))
+        })
+        .collect()
+}
+
+fn fail(message: &str) -> ! {
+    eprintln!("{message}\n{USAGE}");
+    std::process::exit(2);
+}
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        d: Vec::new(),
+        n: Vec::new(),
+        b: 0,
+        h: 0,
+        causal: vec![false, true],
+        impls: IMPLS.iter().map(|s| s.to_string()).collect(),
+        dtype: None,
+        backend: "auto".into(),
+        iters: None,
+        warmup: None,
+        sets: 3,
+        budget_ms: None,
+        row_seconds: 20.0,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        // `cargo bench` passes `--bench`; a bare word is a cargo filter. Neither concerns us.
+        if flag == "--bench" || !flag.starts_with("--") {
+            continue;
+        }
+        if flag == "--help" || flag == "-h" {
+            println!("{USAGE}");
+            std::process::exit(0);
+        }
+        let value = it
+            .next()
+            .unwrap_or_else(|| fail(&format!("{flag} needs a value")));
+        let number = |v: &str| -> f64 {
+            v.parse()
+                .unwrap_or_else(|_| fail(&format!("{flag}: not a number: {v}")))
+        };
+        match flag.as_str() {
+            "--d" => args.d = list(&value),
+            "--n" => args.n = list(&value),
+            "--b" => args.b = number(&value) as usize,
+            "--h" => args.h = number(&value) as usize,
+            "--causal" => {
+                args.causal = match value.as_str() {
+                    "both" => vec![false, true],
+                    "true" => vec![true],
+                    "false" => vec![false],
+                    _ => fail("--causal takes both, true or false"),
+                }
+            }
+            "--impls" => {
+                args.impls = value.split(',').map(str::to_string).collect();
+                if let Some(bad) = args.impls.iter().find(|i| !IMPLS.contains(&i.as_str())) {
+                    fail(&format!("unknown impl {bad}; known: {}", IMPLS.join(",")));
+                }
+            }
+            "--dtype" => {
+                args.dtype = Some(match value.as_str() {
+                    "bf16" => DType::BF16,
+                    "f16" => DType::F16,
+                    "f32" => DType::F32,
+                    _ => fail("--dtype takes bf16, f16 or f32"),
+                })
+            }
+            "--backend" => {
+                if !matches!(value.as_str(), "auto" | "cuda" | "wgpu") {
+                    fail("--backend takes auto, cuda or wgpu");
+                }
+                args.backend = value;
+            }
+            "--iters" => args.iters = Some((number(&value) as usize).max(1)),
+            "--warmup" => args.warmup = Some(number(&value) as usize),
+            "--sets" => args.sets = (number(&value) as usize).max(1),
+            "--budget-ms" => args.budget_ms = Some(number(&value)),
+            "--row-seconds" => args.row_seconds = number(&value),
+            "--modes" => {
+                if value != "fwd" {
+                    fail("only --modes fwd is measured for now (the fused backward comes next)");
+                }
+            }
+            _ => fail(&format!("unknown flag {flag}")),
+        }
+    }
+    args
+}
+
+/// What one backend run uses once the defaults of its device are filled in.
+struct Settings {
+    dtype: DType,
+    d: Vec<usize>,
+    n: Vec<usize>,
+    tokens: usize,
+    hidden: usize,
+    iters: usize,
+    warmup: usize,
+    budget: Duration,
+}
+
+fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F32 => "f32",
+        _ => "other",
+    }
+}
+
+/// Python's spelling of a bool, as `torch_sdpa_bench.py` prints it.
+fn py_bool(value: bool) -> &'static str {
+    if value {
+        "True"
+    } else {
+        "False"
+    }
+}
+
+fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    let text = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "panic".into());
+    text.replace(['\n', ','], " ").chars().take(120).collect()
+}
+
+fn median_ms(times: &mut [Duration]) -> f64 {
+    times.sort_unstable();
+    let mid = times.len() / 2;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    if times.len() % 2 == 1 {
+        ms(times[mid])
+    } else {
+        (ms(times[mid - 1]) + ms(times[mid])) / 2.0
+    }
+}
+
+/// One call of an implementation on input set `set`, synchronised; returns its wall time.
+fn timed_call<B: FlashAttentionBackend>(
+    device: &B::Device,
+    name: &str,
+    inputs: &[[Tensor<B, 4>; 3]],
+    set: usize,
+    options: FlashAttentionOptions,
+) -> Duration {
+    let [q, k, v] = inputs[set % inputs.len()].clone();
+    let start = Instant::now();
+    let out = match name {
+        "burn-flash" => flash_attention(q, k, v, options),
+        "burn-unfused" => attention_fallback(q, k, v, None, None, options.into()),
+        "burn-builtin" => attention(q, k, v, None, None, options.into()),
+        _ => unreachable!("impls are checked when parsing"),
+    };
+    B::sync(device).expect("device sync");
+    let elapsed = start.elapsed();
+    drop(out);
+    elapsed
+}
+
+/// How the last row of an (impl, d, causal) series went, to predict the next, longer one.
+#[derive(Clone, Copy, Debug)]
+enum Outcome {
+    /// One call took `ms` for `flops`.
+    Timed { ms: f64, flops: f64 },
+    /// A call went over the budget.
+    OverBudget,
+    /// The call failed.
+    Failed,
+}
+
+fn run<B: FlashAttentionBackend>(device: B::Device, args: &Args, s: &Settings) {
+    println!("impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops");
+    let mut last: HashMap<(String, usize, bool), Outcome> = HashMap::new();
+    for &d in &s.d {
+        for &n in &s.n {
+            let b = if args.b > 0 {
+                args.b
+            } else {
+                (s.tokens / n).max(1)
+            };
+            let h = if args.h > 0 {
+                args.h
+            } else {
+                (s.hidden / d).max(1)
+            };
+            let dims = [b, h, n, d];
+            B::seed(&device, 0);
+            let inputs: Vec<[Tensor<B, 4>; 3]> = (0..args.sets)
+                .map(|_| {
+                    [(); 3].map(|_| {
+                        Tensor::random(dims, Distribution::Normal(0.0, 1.0), (&device, s.dtype))
+                    })
+                })
+                .collect();
+            for &causal in &args.causal {
+                let options = FlashAttentionOptions::new().with_causal(causal);
+                let flops = 4.0 * (b * h * n * n * d) as f64 / if causal { 2.0 } else { 1.0 };
+                let prefix = format!(
+                    "{},{b},{h},{h},{n},{d},{}",
+                    dtype_name(s.dtype),
+                    py_bool(causal)
+                );
+                let [q, k, v] = &inputs[0];
+                match flash_attention_plan(q, k, v, options) {
+                    Ok(plan) => {
+                        eprintln!(
+                            "b {b} h {h} n {n} d {d} causal {causal}: burn-flash runs {plan}"
+                        );
+                        if !plan.is_fused() {
+                            println!("# burn-flash,{prefix}: not fused here: {plan}");
+                        }
+                    }
+                    Err(e) => eprintln!("burn-flash refuses b {b} h {h} n {n} d {d}: {e}"),
+                }
+                for name in &args.impls {
+                    let row = format!("{name},{prefix}");
+                    let key = (name.clone(), d, causal);
+                    // A peer too slow at a shorter length is not started again: its first call
+                    // (compilation, autotune) cannot be interrupted.
+                    let budget_ms = s.budget.as_secs_f64() * 1e3;
+                    match last.get(&key) {
+                        Some(Outcome::OverBudget) => {
+                            println!("# {row},fwd skipped: over the budget at a shorter length");
+                            continue;
+                        }
+                        Some(&Outcome::Timed { ms, flops: before }) => {
+                            let predicted = ms * flops / before;
+                            if predicted > budget_ms {
+                                println!(
+                                    "# {row},fwd skipped: {predicted:.0} ms per call predicted \
+                                     from the shorter length, over the budget of {budget_ms:.0} ms"
+                                );
+                                last.insert(key, Outcome::OverBudget);
+                                continue;
+                            }
+                        }
+                        _ => {}
+                    }
+                    let outcome = measure(&device, name, &row, &inputs, options, flops, s, args);
+                    last.insert(key, outcome);
+                }
+            }
+        }
+    }
+}
+
+/// Warm up, time and print one row.
+#[allow(clippy::too_many_arguments)]
+fn measure<B: FlashAttentionBackend>(
+    device: &B::Device,
+    name: &str,
+    row: &str,
+    inputs: &[[Tensor<B, 4>; 3]],
+    options: FlashAttentionOptions,
+    flops: f64,
+    s: &Settings,
+    args: &Args,
+) -> Outcome {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        // First call: compilation and autotune, not timed against the budget.
+        let first = timed_call(device, name, inputs, 0, options);
+        eprintln!("{row}: first call {first:.2?}");
+        let probe = timed_call(device, name, inputs, 1, options);
+        if probe > s.budget {
+            return Err(format!(
+                "one call took {:.1} ms, over the budget of {:.0} ms",
+                probe.as_secs_f64() * 1e3,
+                s.budget.as_secs_f64() * 1e3
+            ));
+        }
+        for i in 1..s.warmup {
+            timed_call(device, name, inputs, i + 1, options);
+        }
+        // Keep the row under `row_seconds`, with at least 3 timed calls.
+        let affordable = (args.row_seconds / probe.as_secs_f64().max(1e-6)) as usize;
+        let iters = s.iters.min(affordable.max(3));
+        let mut times: Vec<Duration> = (0..iters)
+            .map(|i| timed_call(device, name, inputs, i, options))
+            .collect();
+        Ok((median_ms(&mut times), iters))
+    }));
+    match result {
+        Ok(Ok((ms, iters))) => {
+            let tflops = flops / ms / 1e9;
+            // One decimal as torch_sdpa_bench.py prints; more where it would read 0.0 (a CPU).
+            let digits = if tflops < 1.0 { 4 } else { 1 };
+            println!("{row},fwd,{ms:.4},{tflops:.digits$}");
+            eprintln!("{row}: median of {iters} calls");
+            Outcome::Timed { ms, flops }
+        }
+        Ok(Err(skip)) => {
+            println!("# {row},fwd skipped: {skip}");
+            Outcome::OverBudget
+        }
+        Err(payload) => {
+            println!("{row},error,nan,nan  # {}", panic_text(payload));
+            Outcome::Failed
+        }
+    }
+}
+
+fn settings(args: &Args, cuda: bool) -> Settings {
+    let or = |given: &[usize], default: &[usize]| {
+        if given.is_empty() {
+            default.to_vec()
+        } else {
+            given.to_vec()
+        }
+    };
+    if cuda {
+        Settings {
+            dtype: args.dtype.unwrap_or(DType::BF16),
+            d: or(&args.d, &[64, 128]),
+            n: or(&args.n, &[512, 1024, 2048, 4096, 8192, 16384]),
+            tokens: 16384,
+            hidden: 2048,
+            iters: args.iters.unwrap_or(30),
+            warmup: args.warmup.unwrap_or(5),
+            budget: Duration::from_secs_f64(args.budget_ms.unwrap_or(2000.0) / 1e3),
+        }
+    } else {
+        Settings {
+            dtype: args.dtype.unwrap_or(DType::F32),
+            d: or(&args.d, &[64]),
+            n: or(&args.n, &[128, 256, 512]),
+            tokens: 1024,
+            hidden: 256,
+            iters: args.iters.unwrap_or(5),
+            warmup: args.warmup.unwrap_or(2),
+            budget: Duration::from_secs_f64(args.budget_ms.unwrap_or(20000.0) / 1e3),
+        }
+    }
+}
+
+fn main() {
+    let args = parse_args();
+
+    #[cfg(feature = "cuda")]
+    if args.backend != "wgpu" {
+        match burn_flash_suite::cuda_device() {
+            Ok(device) => {
+                eprintln!("backend: CUDA ({device:?})");
+                let s = settings(&args, true);
+                run::<burn::backend::Cuda>(device, &args, &s);
+                return;
+            }
+            Err(reason) if args.backend == "cuda" => fail(&format!("no CUDA device: {reason}")),
+            Err(reason) => eprintln!("no CUDA device ({reason}); using wgpu"),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    if args.backend == "cuda" {
+        fail("built without the `cuda` feature: cargo bench --features cuda");
+    }
+
+    let device = WgpuDevice::default();
+    eprintln!("backend: wgpu ({device:?}); small shapes by default");
+    let s = settings(&args, false);
+    run::<Wgpu>(device, &args, &s);
+}

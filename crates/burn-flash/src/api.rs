@@ -1,0 +1,315 @@
+//! The public functions: validate, decide the path, run it.
+
+use core::fmt;
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
+use burn::tensor::module::attention_fallback;
+use burn::tensor::{DType, Tensor, TensorPrimitive};
+
+use crate::backend::{FlashAttentionBackend, FlashAttentionProblem};
+use crate::{FlashAttentionError, FlashAttentionOptions, TilePath};
+
+/// The path an attention call takes, as decided by [`flash_attention_plan`].
+///
+/// # Example
+///
+/// ```
+/// use burn_flash::{FlashAttentionPlan, TilePath};
+///
+/// let plan = FlashAttentionPlan::Fused(TilePath::TensorCore);
+/// assert!(plan.is_fused());
+/// assert_eq!(plan.to_string(), "fused kernel (tensor-core tile)");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FlashAttentionPlan {
+    /// The fused kernel runs, with this matrix tile.
+    Fused(TilePath),
+    /// The fused kernel cannot run these inputs (the reason says why); Burn's unfused
+    /// `burn::tensor::module::attention_fallback` runs instead, and the reason is logged once
+    /// with `log::warn!`.
+    Fallback(String),
+    /// Nothing is launched: the output has no elements, or there are no keys (`seq_k == 0`),
+    /// in which case every query row sees no key and its output is 0.
+    Zeros,
+}
+
+impl FlashAttentionPlan {
+    /// Whether the fused kernel runs.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::FlashAttentionPlan;
+    ///
+    /// assert!(!FlashAttentionPlan::Fallback("head dim 72".into()).is_fused());
+    /// ```
+    pub fn is_fused(&self) -> bool {
+        matches!(self, Self::Fused(_))
+    }
+}
+
+impl fmt::Display for FlashAttentionPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Fused(TilePath::TensorCore) => write!(f, "fused kernel (tensor-core tile)"),
+            Self::Fused(TilePath::Portable) => write!(f, "fused kernel (portable tile)"),
+            Self::Fallback(reason) => write!(f, "unfused fallback ({reason})"),
+            Self::Zeros => write!(f, "no launch (the output is zeros or empty)"),
+        }
+    }
+}
+
+/// Which path [`flash_attention`] would take for these inputs, without running anything; or
+/// the error [`try_flash_attention`] would return.
+///
+/// # Example
+///
+/// ```
+/// use burn::tensor::Tensor;
+/// use burn_flash::{flash_attention_plan, FlashAttentionBackend, FlashAttentionOptions};
+///
+/// fn report<B: FlashAttentionBackend>(q: &Tensor<B, 4>, k: &Tensor<B, 4>, v: &Tensor<B, 4>) {
+///     match flash_attention_plan(q, k, v, FlashAttentionOptions::causal()) {
+///         Ok(plan) => println!("attention runs as: {plan}"),
+///         Err(error) => println!("attention refused: {error}"),
+///     }
+/// }
+/// ```
+pub fn flash_attention_plan<B: FlashAttentionBackend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    options: FlashAttentionOptions,
+) -> Result<FlashAttentionPlan, FlashAttentionError> {
+    plan(q, k, v, options).map(|plan| plan.route)
+}
+
+/// Fused attention, `softmax(scale · Q·Kᵀ [+ causal mask]) · V`, on `[batch, heads, seq,
+/// head_dim]` tensors: `q: [b, h, seq_q, d]`, `k: [b, h, seq_k, d]`, `v: [b, h, seq_k, dv]`,
+/// output `[b, h, seq_q, dv]` in the inputs' dtype. The conventions are those of
+/// `burn::tensor::module::attention` (see [`FlashAttentionOptions`]).
+///
+/// - Runs the fused kernel when the backend supports the inputs; otherwise Burn's unfused
+///   `attention_fallback`, logging the reason once per distinct reason (`log::warn!`).
+///   [`flash_attention_plan`] says beforehand which one runs.
+/// - `seq_k == 0`: the output is zeros (no row sees a key); an output with no elements is
+///   returned as is. Nothing is launched in these cases.
+/// - `head_dim == 0`: every score is 0, so each row averages the values it sees.
+///
+/// # Panics
+///
+/// On the inputs [`try_flash_attention`] refuses, with the [`FlashAttentionError`]'s message.
+///
+/// # Example
+///
+/// ```no_run
+/// use burn::backend::Wgpu;
+/// use burn::tensor::{Distribution, Tensor};
+/// use burn_flash::{flash_attention, FlashAttentionOptions};
+///
+/// let device = Default::default();
+/// let q = Tensor::<Wgpu, 4>::random([2, 8, 128, 64], Distribution::Normal(0.0, 1.0), &device);
+/// let k = Tensor::<Wgpu, 4>::random([2, 8, 128, 64], Distribution::Normal(0.0, 1.0), &device);
+/// let v = Tensor::<Wgpu, 4>::random([2, 8, 128, 64], Distribution::Normal(0.0, 1.0), &device);
+/// let out = flash_attention(q, k, v, FlashAttentionOptions::causal());
+/// assert_eq!(out.dims(), [2, 8, 128, 64]);
+/// ```
+#[track_caller]
+pub fn flash_attention<B: FlashAttentionBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    options: FlashAttentionOptions,
+) -> Tensor<B, 4> {
+    match try_flash_attention(q, k, v, options) {
+        Ok(output) => output,
+        Err(error) => panic!("{error}"),
+    }
+}
+
+/// [`flash_attention`], returning an error instead of panicking on invalid inputs: batch or
+/// heads that differ between `q`, `k` and `v`, head dims of `q` and `k` that differ, sequence
+/// lengths of `k` and `v` that differ, different devices or dtypes, a dtype other than f16,
+/// bf16 and f32, a scale that is not finite and positive.
+///
+/// # Example
+///
+/// ```
+/// use burn::tensor::Tensor;
+/// use burn_flash::{try_flash_attention, FlashAttentionBackend, FlashAttentionError, FlashAttentionOptions};
+///
+/// fn attend<B: FlashAttentionBackend>(
+///     q: Tensor<B, 4>,
+///     k: Tensor<B, 4>,
+///     v: Tensor<B, 4>,
+/// ) -> Result<Tensor<B, 4>, FlashAttentionError> {
+///     try_flash_attention(q, k, v, FlashAttentionOptions::new().with_scale(0.1))
+/// }
+/// ```
+pub fn try_flash_attention<B: FlashAttentionBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    options: FlashAttentionOptions,
+) -> Result<Tensor<B, 4>, FlashAttentionError> {
+    let Plan {
+        problem: p,
+        scale,
+        route,
+    } = plan(&q, &k, &v, options)?;
+    let options = FlashAttentionOptions {
+        causal: p.causal,
+        scale: Some(scale),
+    };
+    let device = q.device();
+    if route == FlashAttentionPlan::Zeros {
+        let shape = [p.batch, p.heads, p.seq_q, p.value_dim];
+        return Ok(Tensor::zeros(shape, (&device, p.dtype)));
+    }
+    let (q, k) = if q.dims()[3] == 0 {
+        // No features: every score is 0. One zero feature gives the same scores.
+        (
+            Tensor::zeros([p.batch, p.heads, p.seq_q, 1], (&device, p.dtype)),
+            Tensor::zeros([p.batch, p.kv_heads, p.seq_k, 1], (&device, p.dtype)),
+        )
+    } else {
+        (q, k)
+    };
+
+    Ok(match route {
+        FlashAttentionPlan::Fused(_) => {
+            let forward = B::flash_attention_forward(
+                q.into_primitive().tensor(),
+                k.into_primitive().tensor(),
+                v.into_primitive().tensor(),
+                options,
+            );
+            Tensor::from_primitive(TensorPrimitive::Float(forward.output))
+        }
+        FlashAttentionPlan::Fallback(reason) => {
+            warn_once(&reason);
+            attention_fallback(q, k, v, None, None, options.into())
+        }
+        FlashAttentionPlan::Zeros => unreachable!("returned above"),
+    })
+}
+
+/// A validated call: the problem the backend sees, the resolved scale and the path.
+struct Plan {
+    problem: FlashAttentionProblem,
+    scale: f64,
+    route: FlashAttentionPlan,
+}
+
+fn plan<B: FlashAttentionBackend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    options: FlashAttentionOptions,
+) -> Result<Plan, FlashAttentionError> {
+    let dtype = validate(q, k, v)?;
+    if let Some(scale) = options.scale {
+        let single = scale as f32;
+        if !(scale.is_finite() && scale > 0.0 && single.is_finite() && single > 0.0) {
+            return Err(FlashAttentionError::InvalidScale(scale));
+        }
+    }
+    let mut problem =
+        FlashAttentionProblem::new(q.dims(), k.dims(), v.dims(), dtype, options.causal);
+    let mut scale = options.scale_for(problem.head_dim);
+
+    let output_len = problem.batch * problem.heads * problem.seq_q * problem.value_dim;
+    if output_len == 0 || problem.seq_k == 0 {
+        return Ok(Plan {
+            problem,
+            scale,
+            route: FlashAttentionPlan::Zeros,
+        });
+    }
+    if problem.head_dim == 0 {
+        // Run with one zero feature instead (see `try_flash_attention`); any scale will do.
+        problem.head_dim = 1;
+        scale = 1.0;
+    }
+
+    let route = match B::flash_attention_support(&q.device(), &problem) {
+        Ok(tile) => FlashAttentionPlan::Fused(tile),
+        Err(reason) => FlashAttentionPlan::Fallback(reason),
+    };
+    Ok(Plan {
+        problem,
+        scale,
+        route,
+    })
+}
+
+/// The checks the type system leaves: dtypes, devices, shapes. Returns the common dtype.
+fn validate<B: FlashAttentionBackend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+) -> Result<DType, FlashAttentionError> {
+    let (qt, kt, vt) = (q.dtype(), k.dtype(), v.dtype());
+    if qt != kt || qt != vt {
+        return Err(FlashAttentionError::DTypeMismatch {
+            q: qt,
+            k: kt,
+            v: vt,
+        });
+    }
+    if !matches!(qt, DType::F16 | DType::BF16 | DType::F32) {
+        return Err(FlashAttentionError::UnsupportedDType(qt));
+    }
+
+    let (qd, kd, vd) = (q.device(), k.device(), v.device());
+    if qd != kd || qd != vd {
+        return Err(FlashAttentionError::DeviceMismatch {
+            q: format!("{qd:?}"),
+            k: format!("{kd:?}"),
+            v: format!("{vd:?}"),
+        });
+    }
+
+    let ([qb, qh, _, qdim], [kb, kh, ks, kdim], [vb, vh, vs, _]) = (q.dims(), k.dims(), v.dims());
+    if qb != kb || qb != vb {
+        return Err(FlashAttentionError::BatchMismatch {
+            q: qb,
+            k: kb,
+            v: vb,
+        });
+    }
+    if qh != kh || qh != vh {
+        return Err(FlashAttentionError::HeadsMismatch {
+            q: qh,
+            k: kh,
+            v: vh,
+        });
+    }
+    if qdim != kdim {
+        return Err(FlashAttentionError::HeadDimMismatch { q: qdim, k: kdim });
+    }
+    if ks != vs {
+        return Err(FlashAttentionError::KeyValueLengthMismatch { k: ks, v: vs });
+    }
+    Ok(qt)
+}
+
+/// Log why the fused kernel did not run, once per distinct reason.
+fn warn_once(reason: &str) {
+    static WARNED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+    let mut warned = WARNED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if !warned.contains(reason) {
+        log::warn!(
+            "burn-flash: the fused attention kernel cannot run these inputs ({reason}); \
+             using Burn's unfused attention_fallback instead"
+        );
+        warned.insert(reason.to_owned());
+    }
+}
+
+#[cfg(test)]
+mod tests;

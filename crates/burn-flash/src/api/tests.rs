@@ -1,0 +1,340 @@
+//! The API on wgpu (lavapipe in CI): validation, the no-launch cases, the fused path on the
+//! `Fusion` alias and on the bare `CubeBackend`, the fallback. Small shapes: it may be a CPU.
+
+use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
+use burn::backend::Wgpu;
+use burn::tensor::backend::Backend;
+use burn::tensor::module::attention_fallback;
+use burn::tensor::{DType, Distribution, Tensor, TensorPrimitive};
+use burn_cubecl::CubeBackend;
+
+use crate::{
+    flash_attention, flash_attention_plan, try_flash_attention, FlashAttentionBackend,
+    FlashAttentionError, FlashAttentionOptions, FlashAttentionPlan, TilePath,
+};
+
+type Bare = CubeBackend<WgpuRuntime, f32, i32, u32>;
+
+fn random<B: Backend>(dims: [usize; 4], device: &B::Device) -> Tensor<B, 4> {
+    Tensor::random(dims, Distribution::Normal(0.0, 1.0), device)
+}
+
+fn max_diff<B: Backend>(a: Tensor<B, 4>, b: Tensor<B, 4>) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    let diff = (a - b).abs().max().into_scalar();
+    let diff: f32 = burn::tensor::ElementConversion::elem(diff);
+    assert!(!diff.is_nan(), "NaN in the output");
+    diff
+}
+
+/// Few distinct kernel configurations (head dims, causal): each one compiles, slowly on a CPU.
+const CASES: [(usize, usize, usize, usize, usize, usize, bool); 5] = [
+    // batch, heads, seq_q, seq_k, head_dim, value_dim, causal
+    (1, 1, 1, 1, 64, 64, false),
+    (2, 3, 17, 17, 64, 64, true),
+    (1, 2, 9, 40, 64, 64, true),
+    (1, 2, 40, 9, 64, 64, true),
+    (2, 1, 33, 65, 32, 16, false),
+];
+
+fn matches_fallback<B: FlashAttentionBackend>(
+    cases: &[(usize, usize, usize, usize, usize, usize, bool)],
+) {
+    let device = B::Device::default();
+    B::seed(&device, 7);
+    crate::testing::poison_outputs(true);
+    for &(batch, heads, seq_q, seq_k, dim, value_dim, causal) in cases {
+        let q = random::<B>([batch, heads, seq_q, dim], &device);
+        let k = random::<B>([batch, heads, seq_k, dim], &device);
+        let v = random::<B>([batch, heads, seq_k, value_dim], &device);
+        let options = FlashAttentionOptions::new().with_causal(causal);
+        let plan = flash_attention_plan(&q, &k, &v, options).unwrap();
+        assert_eq!(plan, FlashAttentionPlan::Fused(TilePath::Portable));
+        let expected =
+            attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options.into());
+        let got = flash_attention(q, k, v, options);
+        let diff = max_diff(got, expected);
+        assert!(
+            diff < 1e-4,
+            "{batch}x{heads} q {seq_q} k {seq_k} d {dim}/{value_dim} causal {causal}: {diff}"
+        );
+    }
+    crate::testing::poison_outputs(false);
+}
+
+#[test]
+fn fused_matches_fallback_on_fusion() {
+    matches_fallback::<Wgpu>(&CASES);
+}
+
+#[test]
+fn fused_matches_fallback_on_bare_cube_backend() {
+    matches_fallback::<Bare>(&CASES[..2]);
+}
+
+#[test]
+fn custom_scale_is_used() {
+    let device = WgpuDevice::default();
+    let (q, k, v) = (
+        random::<Wgpu>([1, 2, 8, 64], &device),
+        random::<Wgpu>([1, 2, 8, 64], &device),
+        random::<Wgpu>([1, 2, 8, 64], &device),
+    );
+    let options = FlashAttentionOptions::causal().with_scale(0.7);
+    let expected = attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options.into());
+    assert!(max_diff(flash_attention(q, k, v, options), expected) < 1e-4);
+}
+
+#[test]
+fn lse_is_f32_and_shaped_per_row() {
+    let device = WgpuDevice::default();
+    let q = random::<Wgpu>([2, 3, 5, 64], &device);
+    let forward = <Wgpu>::flash_attention_forward(
+        q.clone().into_primitive().tensor(),
+        q.clone().into_primitive().tensor(),
+        q.into_primitive().tensor(),
+        FlashAttentionOptions::default(),
+    );
+    let lse = Tensor::<Wgpu, 3>::from_primitive(TensorPrimitive::Float(forward.lse));
+    assert_eq!(lse.dims(), [2, 3, 5]);
+    assert_eq!(lse.dtype(), DType::F32);
+    let values = lse.to_data().to_vec::<f32>().unwrap();
+    assert!(values.iter().all(|x| x.is_finite()));
+}
+
+#[test]
+fn unsupported_head_dim_falls_back() {
+    let device = WgpuDevice::default();
+    let (q, k, v) = (
+        random::<Wgpu>([1, 1, 4, 160], &device),
+        random::<Wgpu>([1, 1, 6, 160], &device),
+        random::<Wgpu>([1, 1, 6, 160], &device),
+    );
+    let options = FlashAttentionOptions::causal();
+    let plan = flash_attention_plan(&q, &k, &v, options).unwrap();
+    assert!(matches!(plan, FlashAttentionPlan::Fallback(_)), "{plan}");
+    let expected = attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options.into());
+    assert_eq!(max_diff(flash_attention(q, k, v, options), expected), 0.0);
+}
+
+#[test]
+fn no_keys_or_empty_output_give_zeros() {
+    let device = WgpuDevice::default();
+    let q = random::<Wgpu>([2, 3, 5, 16], &device);
+    let k = Tensor::<Wgpu, 4>::zeros([2, 3, 0, 16], &device);
+    let v = Tensor::<Wgpu, 4>::zeros([2, 3, 0, 8], &device);
+    let options = FlashAttentionOptions::causal();
+    assert_eq!(
+        flash_attention_plan(&q, &k, &v, options),
+        Ok(FlashAttentionPlan::Zeros)
+    );
+    let out = flash_attention(q, k, v, options);
+    assert_eq!(out.dims(), [2, 3, 5, 8]);
+    assert_eq!(out.abs().sum().into_scalar(), 0.0);
+
+    let q = Tensor::<Wgpu, 4>::zeros([0, 3, 5, 16], &device);
+    let k = Tensor::<Wgpu, 4>::zeros([0, 3, 7, 16], &device);
+    let v = Tensor::<Wgpu, 4>::zeros([0, 3, 7, 16], &device);
+    assert_eq!(flash_attention(q, k, v, options).dims(), [0, 3, 5, 16]);
+}
+
+#[test]
+fn zero_head_dim_averages_the_visible_values() {
+    let device = WgpuDevice::default();
+    let q = Tensor::<Wgpu, 4>::zeros([1, 1, 3, 0], &device);
+    let k = Tensor::<Wgpu, 4>::zeros([1, 1, 3, 0], &device);
+    let v = Tensor::<Wgpu, 4>::from_floats([[[[3.0], [6.0], [9.0]]]], &device);
+    let out = flash_attention(q, k, v, FlashAttentionOptions::causal());
+    let expected = Tensor::<Wgpu, 4>::from_floats([[[[3.0], [4.5], [6.0]]]], &device);
+    assert!(max_diff(out, expected) < 1e-6);
+}
+
+#[test]
+fn invalid_inputs_are_refused() {
+    let device = WgpuDevice::default();
+    let t = |dims: [usize; 4]| Tensor::<Wgpu, 4>::zeros(dims, &device);
+    let run = |q: [usize; 4], k: [usize; 4], v: [usize; 4]| {
+        try_flash_attention(t(q), t(k), t(v), FlashAttentionOptions::default()).unwrap_err()
+    };
+    assert_eq!(
+        run([1, 2, 4, 8], [2, 2, 4, 8], [1, 2, 4, 8]),
+        FlashAttentionError::BatchMismatch { q: 1, k: 2, v: 1 }
+    );
+    assert_eq!(
+        run([1, 2, 4, 8], [1, 2, 4, 8], [1, 1, 4, 8]),
+        FlashAttentionError::HeadsMismatch { q: 2, k: 2, v: 1 }
+    );
+    assert_eq!(
+        run([1, 2, 4, 8], [1, 2, 4, 16], [1, 2, 4, 8]),
+        FlashAttentionError::HeadDimMismatch { q: 8, k: 16 }
+    );
+    assert_eq!(
+        run([1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 5, 8]),
+        FlashAttentionError::KeyValueLengthMismatch { k: 4, v: 5 }
+    );
+    for scale in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e300] {
+        let options = FlashAttentionOptions::new().with_scale(scale);
+        let error = try_flash_attention(t([1, 1, 2, 4]), t([1, 1, 2, 4]), t([1, 1, 2, 4]), options)
+            .unwrap_err();
+        assert!(
+            matches!(error, FlashAttentionError::InvalidScale(_)),
+            "{error}"
+        );
+    }
+    if <Wgpu>::supports_dtype(&device, DType::F16) {
+        let half = t([1, 1, 2, 4]).cast(DType::F16);
+        let error = try_flash_attention(
+            t([1, 1, 2, 4]),
+            half,
+            t([1, 1, 2, 4]),
+            FlashAttentionOptions::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(error, FlashAttentionError::DTypeMismatch { .. }),
+            "{error}"
+        );
+    }
+}
+
+#[test]
+#[should_panic(expected = "q and k must have the same head dim")]
+fn flash_attention_panics_with_the_error_message() {
+    let device = WgpuDevice::default();
+    let q = Tensor::<Wgpu, 4>::zeros([1, 1, 2, 4], &device);
+    let k = Tensor::<Wgpu, 4>::zeros([1, 1, 2, 8], &device);
+    flash_attention(q, k.clone(), k, FlashAttentionOptions::default());
+}
+
+/// The tensor-core path through the `Cuda` alias (fusion) and the bare backend. Needs a CUDA
+/// device of SM80 or newer: `cargo test --features cuda -- --ignored cuda`.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use burn::backend::cuda::CudaDevice;
+    use burn::backend::Cuda;
+    use cubecl::cuda::CudaRuntime;
+
+    fn half_precision<B: FlashAttentionBackend>(dtype: DType) {
+        let device = B::Device::default();
+        B::seed(&device, 11);
+        crate::testing::poison_outputs(true);
+        for (seq_q, seq_k, dim, causal) in
+            [(1, 1, 64, false), (70, 200, 128, true), (130, 65, 64, true)]
+        {
+            let make = |seq, dim| random::<B>([2, 3, seq, dim], &device).cast(dtype);
+            let (q, k, v) = (make(seq_q, dim), make(seq_k, dim), make(seq_k, dim));
+            let options = FlashAttentionOptions::new().with_causal(causal);
+            let plan = flash_attention_plan(&q, &k, &v, options).unwrap();
+            assert_eq!(plan, FlashAttentionPlan::Fused(TilePath::TensorCore));
+            let expected = attention_fallback(
+                q.clone().cast(DType::F32),
+                k.clone().cast(DType::F32),
+                v.clone().cast(DType::F32),
+                None,
+                None,
+                options.into(),
+            );
+            let got = flash_attention(q, k, v, options);
+            assert_eq!(got.dtype(), dtype);
+            let diff = max_diff(got.cast(DType::F32), expected);
+            assert!(
+                diff < 2e-2,
+                "{dtype:?} q {seq_q} k {seq_k} d {dim} causal {causal}: {diff}"
+            );
+        }
+        crate::testing::poison_outputs(false);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn cuda_alias_runs_the_tensor_core_tile() {
+        half_precision::<Cuda>(DType::BF16);
+        half_precision::<Cuda>(DType::F16);
+        let q = random::<Cuda>([1, 2, 9, 64], &CudaDevice::default()).cast(DType::BF16);
+        let forward = <Cuda>::flash_attention_forward(
+            q.clone().into_primitive().tensor(),
+            q.clone().into_primitive().tensor(),
+            q.into_primitive().tensor(),
+            FlashAttentionOptions::causal(),
+        );
+        let lse = Tensor::<Cuda, 3>::from_primitive(TensorPrimitive::Float(forward.lse));
+        assert_eq!((lse.dims(), lse.dtype()), ([1, 2, 9], DType::F32));
+        assert!(lse
+            .to_data()
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .all(|x| x.is_finite()));
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn cuda_bare_backend_runs_the_tensor_core_tile() {
+        half_precision::<CubeBackend<CudaRuntime, f32, i32, u8>>(DType::BF16);
+    }
+
+    /// Plain f64 attention of `[b, h, s, d]` data, causal aligned bottom-right.
+    fn reference(
+        q: &Tensor<Cuda, 4>,
+        k: &Tensor<Cuda, 4>,
+        v: &Tensor<Cuda, 4>,
+        causal: bool,
+    ) -> Vec<f64> {
+        let [b, h, sq, d] = q.dims();
+        let (sk, dv) = (k.dims()[2], v.dims()[3]);
+        let data = |t: &Tensor<Cuda, 4>| t.to_data().to_vec::<f32>().unwrap();
+        let (q, k, v) = (data(q), data(k), data(v));
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut out = vec![0.0; b * h * sq * dv];
+        for bh in 0..b * h {
+            for i in 0..sq {
+                let visible: Vec<usize> =
+                    (0..sk).filter(|&j| !causal || j + sq <= i + sk).collect();
+                let s: Vec<f64> = visible
+                    .iter()
+                    .map(|&j| {
+                        let dot: f64 = (0..d)
+                            .map(|c| {
+                                q[(bh * sq + i) * d + c] as f64 * k[(bh * sk + j) * d + c] as f64
+                            })
+                            .sum();
+                        dot * scale
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let p: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let l: f64 = p.iter().sum();
+                for c in 0..dv {
+                    let acc: f64 = visible
+                        .iter()
+                        .zip(&p)
+                        .map(|(&j, p)| p * v[(bh * sk + j) * dv + c] as f64)
+                        .sum();
+                    out[(bh * sq + i) * dv + c] = if l > 0.0 { acc / l } else { 0.0 };
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn cuda_f32_runs_the_portable_tile() {
+        let device = CudaDevice::default();
+        let q = random::<Cuda>([1, 2, 33, 64], &device);
+        let k = random::<Cuda>([1, 2, 47, 64], &device);
+        let options = FlashAttentionOptions::causal();
+        let plan = flash_attention_plan(&q, &k, &k, options);
+        assert_eq!(plan, Ok(FlashAttentionPlan::Fused(TilePath::Portable)));
+        let expected = reference(&q, &k, &k, true);
+        let got = flash_attention(q, k.clone(), k, options);
+        let got = got.to_data().to_vec::<f32>().unwrap();
+        let diff = got
+            .iter()
+            .zip(&expected)
+            .map(|(a, b)| (*a as f64 - b).abs())
+            .fold(0.0, f64::max);
+        assert!(diff < 1e-4, "max error {diff} against the f64 reference");
+    }
+}

@@ -1,0 +1,193 @@
+//! The backend extension trait: what a backend implements to run the fused attention.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Device};
+
+use crate::{FlashAttentionOptions, TilePath};
+
+/// The sizes and dtype of one attention call, as a backend sees them when it decides whether
+/// its fused kernel can run it ([`FlashAttentionBackend::flash_attention_support`]).
+///
+/// `q: [batch, heads, seq_q, head_dim]`, `k: [batch, kv_heads, seq_k, head_dim]`,
+/// `v: [batch, kv_heads, seq_k, value_dim]`. Today `kv_heads == heads`.
+///
+/// # Example
+///
+/// ```
+/// use burn::tensor::DType;
+/// use burn_flash::FlashAttentionProblem;
+///
+/// let problem = FlashAttentionProblem::new(
+///     [2, 8, 128, 64],
+///     [2, 8, 256, 64],
+///     [2, 8, 256, 64],
+///     DType::BF16,
+///     true,
+/// );
+/// assert_eq!((problem.seq_q, problem.seq_k, problem.head_dim), (128, 256, 64));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct FlashAttentionProblem {
+    /// Batch size.
+    pub batch: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (equal to `heads` for now).
+    pub kv_heads: usize,
+    /// Query sequence length.
+    pub seq_q: usize,
+    /// Key/value sequence length.
+    pub seq_k: usize,
+    /// Head dim of `q` and `k`.
+    pub head_dim: usize,
+    /// Head dim of `v` (and of the output).
+    pub value_dim: usize,
+    /// Dtype of `q`, `k`, `v` and the output.
+    pub dtype: DType,
+    /// Whether the causal mask applies.
+    pub causal: bool,
+}
+
+impl FlashAttentionProblem {
+    /// The problem of inputs with these shapes (`[batch, heads, seq, dim]`), dtype and mask.
+    /// Nothing is checked here; `q` gives batch, heads, seq_q and head_dim, `k` kv_heads and
+    /// seq_k, `v` value_dim.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn::tensor::DType;
+    /// use burn_flash::FlashAttentionProblem;
+    ///
+    /// let dims = [1, 4, 32, 64];
+    /// let problem = FlashAttentionProblem::new(dims, dims, dims, DType::F32, false);
+    /// assert_eq!(problem.heads, 4);
+    /// ```
+    pub fn new(q: [usize; 4], k: [usize; 4], v: [usize; 4], dtype: DType, causal: bool) -> Self {
+        Self {
+            batch: q[0],
+            heads: q[1],
+            kv_heads: k[1],
+            seq_q: q[2],
+            seq_k: k[2],
+            head_dim: q[3],
+            value_dim: v[3],
+            dtype,
+            causal,
+        }
+    }
+}
+
+/// What the fused forward returns.
+///
+/// # Example
+///
+/// ```
+/// use burn::tensor::backend::Backend;
+/// use burn::tensor::{Tensor, TensorPrimitive};
+/// use burn_flash::{FlashAttentionBackend, FlashAttentionForward, FlashAttentionOptions};
+///
+/// fn forward<B: FlashAttentionBackend>(
+///     q: Tensor<B, 4>,
+///     k: Tensor<B, 4>,
+///     v: Tensor<B, 4>,
+/// ) -> (Tensor<B, 4>, Tensor<B, 3>) {
+///     let FlashAttentionForward { output, lse } = B::flash_attention_forward(
+///         q.into_primitive().tensor(),
+///         k.into_primitive().tensor(),
+///         v.into_primitive().tensor(),
+///         FlashAttentionOptions::default(),
+///     );
+///     (
+///         Tensor::from_primitive(TensorPrimitive::Float(output)),
+///         Tensor::from_primitive(TensorPrimitive::Float(lse)),
+///     )
+/// }
+/// ```
+#[derive(Clone, Debug)]
+pub struct FlashAttentionForward<B: Backend> {
+    /// The attention output, `[batch, heads, seq_q, value_dim]`, in the inputs' dtype.
+    pub output: FloatTensor<B>,
+    /// The log-sum-exp of each query row, `[batch, heads, seq_q]`, always f32: the natural log
+    /// of `Σ_j exp(scale · q_i·k_j)` over the keys the row sees; `-inf` for a row that sees no
+    /// key. The backward pass recomputes the softmax from it.
+    pub lse: FloatTensor<B>,
+}
+
+/// A backend that runs the fused FlashAttention kernels.
+///
+/// Implemented for `burn_cubecl::CubeBackend<R, F, I, BT>` (any CubeCL runtime) and for
+/// `burn_fusion::Fusion<B>` over such a backend, so `burn::backend::Wgpu` and (feature `cuda`)
+/// `burn::backend::Cuda` work as Burn defines them. Most users call
+/// [`flash_attention`](crate::flash_attention), which validates the inputs, asks
+/// [`flash_attention_support`](Self::flash_attention_support) and takes Burn's unfused attention
+/// when the fused kernel cannot run.
+///
+/// A backward method and an `Autodiff<B>` implementation are planned.
+///
+/// # Example
+///
+/// ```
+/// use burn::tensor::{backend::Backend, Tensor};
+/// use burn_flash::{flash_attention, FlashAttentionBackend, FlashAttentionOptions};
+///
+/// // Generic model code asks for the trait on top of `Backend`.
+/// fn self_attention<B: FlashAttentionBackend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+///     flash_attention(x.clone(), x.clone(), x, FlashAttentionOptions::causal())
+/// }
+/// ```
+pub trait FlashAttentionBackend: Backend {
+    /// Whether the fused forward can run this problem on this device, and with which matrix
+    /// tile; `Err` carries the reason it cannot (a dtype, a head dim, a missing device
+    /// feature). Decided up front, from the device's properties, without launching anything.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn::tensor::{DType, Device};
+    /// use burn_flash::{FlashAttentionBackend, FlashAttentionProblem};
+    ///
+    /// fn fused<B: FlashAttentionBackend>(device: &Device<B>) -> bool {
+    ///     let dims = [1, 8, 1024, 128];
+    ///     let problem = FlashAttentionProblem::new(dims, dims, dims, DType::BF16, true);
+    ///     B::flash_attention_support(device, &problem).is_ok()
+    /// }
+    /// ```
+    fn flash_attention_support(
+        device: &Device<Self>,
+        problem: &FlashAttentionProblem,
+    ) -> Result<TilePath, String>;
+
+    /// Run the fused forward.
+    ///
+    /// Low level: the inputs must be valid (same device and dtype, matching shapes, a finite
+    /// positive scale; see [`try_flash_attention`](crate::try_flash_attention)) and
+    /// [`flash_attention_support`](Self::flash_attention_support) must have accepted them; this
+    /// panics otherwise. The output is `[batch, heads, seq_q, value_dim]` in the inputs' dtype,
+    /// the log-sum-exp `[batch, heads, seq_q]` in f32.
+    ///
+    /// # Example
+    ///
+    /// See [`FlashAttentionForward`].
+    ///
+    /// ```
+    /// use burn::tensor::ops::FloatTensor;
+    /// use burn_flash::{FlashAttentionBackend, FlashAttentionOptions};
+    ///
+    /// fn output<B: FlashAttentionBackend>(
+    ///     q: FloatTensor<B>,
+    ///     k: FloatTensor<B>,
+    ///     v: FloatTensor<B>,
+    /// ) -> FloatTensor<B> {
+    ///     B::flash_attention_forward(q, k, v, FlashAttentionOptions::causal()).output
+    /// }
+    /// ```
+    fn flash_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionForward<Self>;
+}

@@ -1,0 +1,278 @@
+//! Global level of the forward: one cube per (query block, head, batch). The cube keeps its
+//! query rows in registers, walks the KV blocks it can see (stopping at the causal diagonal),
+//! and writes the normalised output and the per-row log-sum-exp.
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use super::config::ForwardConfig;
+use super::mask::{apply_mask, block_needs_mask, kv_blocks};
+use super::softmax::{finish, init_stats, online_update, RowStats};
+use super::stage::{copy_block_async, load_block};
+use super::tile::AttentionTile;
+use super::TilePath;
+
+/// Where the cube reads and writes, and the lengths that bound it.
+#[derive(CubeType, Clone, Copy)]
+struct Coords {
+    q_base: usize,
+    k_base: usize,
+    v_base: usize,
+    q_start: usize,
+    seq_q: usize,
+    seq_k: usize,
+    /// `-inf`, passed in because WGSL has no literal for it.
+    neg_inf: f32,
+}
+
+#[cube(
+    launch_unchecked,
+    address_type = "dynamic",
+    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+)]
+pub fn flash_forward<E: Float, T: AttentionTile<E>>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out: &mut Tensor<E>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    neg_inf: f32,
+    #[comptime] cfg: ForwardConfig,
+    #[define(E)] _dtype: StorageType,
+) {
+    let batch = CUBE_POS_Z as usize;
+    let head = CUBE_POS_Y as usize;
+    let coords = Coords {
+        q_base: batch * q.stride(0) + head * q.stride(1),
+        k_base: batch * k.stride(0) + head * k.stride(1),
+        v_base: batch * v.stride(0) + head * v.stride(1),
+        q_start: CUBE_POS_X as usize * cfg.block_q,
+        seq_q: q.shape(2),
+        seq_k: k.shape(2),
+        neg_inf,
+    };
+
+    let query = T::load_query(q, coords.q_base, coords.q_start, coords.seq_q, cfg);
+    let mut stats = init_stats(neg_inf, cfg);
+    let mut acc = Array::<f32>::new(cfg.out_regs());
+    #[unroll]
+    for reg in 0..cfg.out_regs() {
+        acc[reg] = 0.0;
+    }
+
+    let blocks = kv_blocks(coords.q_start, coords.seq_q, coords.seq_k, cfg);
+    if comptime!(cfg.tile == TilePath::TensorCore) {
+        kv_loop_pipelined::<E, T>(
+            &query, k, v, coords, blocks, scale, &mut stats, &mut acc, cfg,
+        );
+    } else {
+        kv_loop::<E, T>(
+            &query, k, v, coords, blocks, scale, &mut stats, &mut acc, cfg,
+        );
+    }
+
+    let (inv_sum, row_lse) = finish::<E, T>(&stats, scale, neg_inf, cfg);
+    let out_base = batch * out.stride(0) + head * out.stride(1);
+    #[unroll]
+    for reg in 0..cfg.out_regs() {
+        let (row, col) = T::out_position(reg, cfg);
+        let query_row = coords.q_start + row;
+        if query_row < coords.seq_q {
+            let slot = comptime!(cfg.row_slot(reg));
+            out[out_base + query_row * out.stride(2) + col] =
+                E::cast_from(acc[reg] * inv_sum[slot]);
+        }
+    }
+    if T::writes_row_stats() {
+        let lse_base = batch * lse.stride(0) + head * lse.stride(1);
+        #[unroll]
+        for slot in 0..cfg.rows_per_unit() {
+            let query_row = coords.q_start + T::slot_row(slot, cfg);
+            if query_row < coords.seq_q {
+                lse[lse_base + query_row * lse.stride(2)] = row_lse[slot];
+            }
+        }
+    }
+}
+
+/// Scores, masking, online softmax and P·V for the KV block staged at `stage`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend_block<E: Float, T: AttentionTile<E>>(
+    query: &T::Query,
+    keys: &SharedMemory<E>,
+    values: &SharedMemory<E>,
+    stage: usize,
+    kv_start: usize,
+    coords: Coords,
+    scale: f32,
+    stats: &mut RowStats,
+    acc: &mut Array<f32>,
+    #[comptime] cfg: ForwardConfig,
+) {
+    let mut scores = T::scores(query, keys, stage * cfg.block_kv * cfg.head_dim, cfg);
+    if block_needs_mask(coords.q_start, kv_start, coords.seq_q, coords.seq_k, cfg) {
+        apply_mask::<E, T>(
+            &mut scores,
+            coords.q_start,
+            kv_start,
+            coords.seq_q,
+            coords.seq_k,
+            coords.neg_inf,
+            cfg,
+        );
+    }
+    online_update::<E, T>(&mut scores, stats, acc, scale, coords.neg_inf, cfg);
+    T::accumulate(
+        &scores,
+        values,
+        stage * cfg.block_kv * cfg.value_dim,
+        acc,
+        cfg,
+    );
+}
+
+/// Two shared-memory stages filled by asynchronous copies: block `j + 1` is in flight while
+/// block `j` is computed. Stage `s` completes on barrier `s`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
+    query: &T::Query,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    coords: Coords,
+    blocks: usize,
+    scale: f32,
+    stats: &mut RowStats,
+    acc: &mut Array<f32>,
+    #[comptime] cfg: ForwardConfig,
+) {
+    let key_stage = comptime!(cfg.block_kv * cfg.head_dim);
+    let value_stage = comptime!(cfg.block_kv * cfg.value_dim);
+    let mut keys = SharedMemory::<E>::new_aligned(2 * key_stage, 16usize);
+    let mut values = SharedMemory::<E>::new_aligned(2 * value_stage, 16usize);
+    let barrier_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let barrier_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    sync_cube();
+
+    if blocks > 0 {
+        copy_block_async::<E>(
+            k,
+            coords.k_base,
+            0,
+            coords.seq_k,
+            &mut keys,
+            0,
+            cfg.head_dim,
+            cfg,
+        );
+        copy_block_async::<E>(
+            v,
+            coords.v_base,
+            0,
+            coords.seq_k,
+            &mut values,
+            0,
+            cfg.value_dim,
+            cfg,
+        );
+        barrier_0.commit_copy_async();
+    }
+    for block in 0..blocks {
+        let stage = block % 2;
+        // Waiting here also proves every unit is done with the other stage (last block's math),
+        // so it may be refilled.
+        if stage == 0 {
+            barrier_0.arrive_and_wait();
+        } else {
+            barrier_1.arrive_and_wait();
+        }
+        let next = block + 1;
+        if next < blocks {
+            let next_stage = 1 - stage;
+            let first_row = next * cfg.block_kv;
+            copy_block_async::<E>(
+                k,
+                coords.k_base,
+                first_row,
+                coords.seq_k,
+                &mut keys,
+                next_stage * key_stage,
+                cfg.head_dim,
+                cfg,
+            );
+            copy_block_async::<E>(
+                v,
+                coords.v_base,
+                first_row,
+                coords.seq_k,
+                &mut values,
+                next_stage * value_stage,
+                cfg.value_dim,
+                cfg,
+            );
+            if next_stage == 0 {
+                barrier_0.commit_copy_async();
+            } else {
+                barrier_1.commit_copy_async();
+            }
+        }
+        attend_block::<E, T>(
+            query,
+            &keys,
+            &values,
+            stage,
+            block * cfg.block_kv,
+            coords,
+            scale,
+            stats,
+            acc,
+            cfg,
+        );
+    }
+}
+
+/// One shared-memory stage filled by plain loads, the cube synchronised around it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn kv_loop<E: Float, T: AttentionTile<E>>(
+    query: &T::Query,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    coords: Coords,
+    blocks: usize,
+    scale: f32,
+    stats: &mut RowStats,
+    acc: &mut Array<f32>,
+    #[comptime] cfg: ForwardConfig,
+) {
+    let mut keys = SharedMemory::<E>::new(cfg.block_kv * cfg.head_dim);
+    let mut values = SharedMemory::<E>::new(cfg.block_kv * cfg.value_dim);
+    for block in 0..blocks {
+        let first_row = block * cfg.block_kv;
+        sync_cube();
+        load_block::<E>(
+            k,
+            coords.k_base,
+            first_row,
+            coords.seq_k,
+            &mut keys,
+            cfg.head_dim,
+            cfg,
+        );
+        load_block::<E>(
+            v,
+            coords.v_base,
+            first_row,
+            coords.seq_k,
+            &mut values,
+            cfg.value_dim,
+            cfg,
+        );
+        sync_cube();
+        attend_block::<E, T>(
+            query, &keys, &values, 0, first_row, coords, scale, stats, acc, cfg,
+        );
+    }
+}

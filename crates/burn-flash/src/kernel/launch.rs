@@ -1,0 +1,300 @@
+//! Launch: pick the tile from the device's features, shape the grid, allocate the outputs.
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+use cubecl::features::{MmaConfig, Plane};
+use cubecl::prelude::*;
+
+use super::config::{ForwardConfig, CHUNK};
+use super::forward::flash_forward;
+use super::tile::{MmaTile, PortableTile};
+use super::TilePath;
+
+/// Largest head dim the portable tile unrolls (its query and output rows live in registers).
+const PORTABLE_MAX_DIM: usize = 128;
+
+/// Decide whether the fused forward can run inputs of this dtype and head dims on this client,
+/// and with which tile. `Err` carries the reason the caller logs before taking the fallback.
+pub fn support<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    dtype: DType,
+    head_dim: usize,
+    value_dim: usize,
+) -> Result<TilePath, String> {
+    let props = client.properties();
+    let features = &props.features;
+    let elem: StorageType = dtype.into();
+    if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
+        return Err(format!("dtype {dtype:?} is not f16, bf16 or f32"));
+    }
+    if !features.types.storage.contains_key(&elem) {
+        return Err(format!("dtype {dtype:?} is not supported by this runtime"));
+    }
+
+    let mma = MmaConfig {
+        a_type: elem,
+        b_type: elem,
+        cd_type: DType::F32.into(),
+        m: 16,
+        n: 8,
+        k: 16,
+    };
+    let has_tensor_cores = features.matmul.mma.contains(&mma)
+        && features.matmul.ldmatrix.contains(&elem)
+        && features.copy_async
+        && features.plane.contains(Plane::Ops)
+        && props.hardware.plane_size_min == 32
+        && props.hardware.plane_size_max == 32;
+    if dtype != DType::F32 && has_tensor_cores {
+        return if head_dim == value_dim && matches!(head_dim, 64 | 128) {
+            Ok(TilePath::TensorCore)
+        } else {
+            Err(format!(
+                "the tensor-core kernel supports head dims 64 and 128 (q/k {head_dim}, v {value_dim})"
+            ))
+        };
+    }
+
+    if head_dim == 0
+        || value_dim == 0
+        || head_dim > PORTABLE_MAX_DIM
+        || value_dim > PORTABLE_MAX_DIM
+    {
+        return Err(format!(
+            "the portable kernel supports head dims 1..={PORTABLE_MAX_DIM} (q/k {head_dim}, v {value_dim})"
+        ));
+    }
+    let cfg = ForwardConfig::portable(head_dim, value_dim, false);
+    let shared = cfg.block_kv * (head_dim + value_dim) * dtype.size();
+    if shared > props.hardware.max_shared_memory_size {
+        return Err(format!(
+            "the portable kernel needs {shared} bytes of shared memory, the device has {}",
+            props.hardware.max_shared_memory_size
+        ));
+    }
+    Ok(TilePath::Portable)
+}
+
+/// Run the fused forward. `q: [b, h, sq, d]`, `k: [b, h, sk, d]`, `v: [b, h, sk, dv]`, on one
+/// device with one dtype, accepted by [`support`]. Returns the output `[b, h, sq, dv]` in the
+/// input dtype and the log-sum-exp `[b, h, sq]` in f32 (natural log of Σ exp(scale·s); `-inf`
+/// for rows that see no key, whose output is 0).
+pub fn forward<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    causal: bool,
+    scale: f32,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
+    let dims = q.meta.shape().clone();
+    let (batch, heads, seq_q, head_dim) = (dims[0], dims[1], dims[2], dims[3]);
+    let value_dim = v.meta.shape()[3];
+    let client = q.client.clone();
+
+    let tile = support(&client, q.dtype, head_dim, value_dim)
+        .unwrap_or_else(|reason| panic!("fused attention launched on unsupported input: {reason}"));
+    let out = output(&q, Shape::new([batch, heads, seq_q, value_dim]), q.dtype);
+    let lse = output(&q, Shape::new([batch, heads, seq_q]), DType::F32);
+    if out.meta.num_elements() == 0 {
+        return (out, lse);
+    }
+
+    let (cfg, cube_dim) = match tile {
+        TilePath::TensorCore => {
+            let cfg = ForwardConfig::tensor_core(head_dim, value_dim, causal);
+            (cfg, CubeDim::new_2d(32, cfg.planes as u32))
+        }
+        TilePath::Portable => {
+            let cfg = ForwardConfig::portable(head_dim, value_dim, causal);
+            (cfg, CubeDim::new_1d(cfg.units() as u32))
+        }
+    };
+    if tile == TilePath::TensorCore {
+        // Each unit issues the same number of 16-byte copies per stage.
+        assert_eq!(cfg.block_kv * head_dim / CHUNK % cfg.units(), 0);
+        assert_eq!(cfg.block_kv * value_dim / CHUNK % cfg.units(), 0);
+    }
+    let cube_count = CubeCount::Static(
+        seq_q.div_ceil(cfg.block_q) as u32,
+        heads as u32,
+        batch as u32,
+    );
+    let address = [&q, &k, &v, &out]
+        .iter()
+        .map(|t| t.required_address_type())
+        .max()
+        .unwrap_or_default();
+    let dtype = q.dtype.into();
+
+    // SAFETY: shapes and strides were validated by the caller; every index the kernel forms is
+    // bounded by the tensors' shapes, and out-of-range rows are clamped or zero-filled.
+    unsafe {
+        match tile {
+            TilePath::TensorCore => flash_forward::launch_unchecked::<MmaTile, R>(
+                &client,
+                cube_count,
+                cube_dim,
+                address,
+                q.into_tensor_arg(),
+                k.into_tensor_arg(),
+                v.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                scale,
+                f32::NEG_INFINITY,
+                cfg,
+                dtype,
+            ),
+            TilePath::Portable => flash_forward::launch_unchecked::<PortableTile, R>(
+                &client,
+                cube_count,
+                cube_dim,
+                address,
+                q.into_tensor_arg(),
+                k.into_tensor_arg(),
+                v.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                scale,
+                f32::NEG_INFINITY,
+                cfg,
+                dtype,
+            ),
+        }
+    }
+    (out, lse)
+}
+
+/// A contiguous output, filled with NaN first when tests asked for poisoned outputs.
+fn output<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+    let tensor =
+        empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype);
+    if crate::testing::poison_enabled() && tensor.meta.num_elements() > 0 {
+        poison(&tensor);
+    }
+    tensor
+}
+
+/// `value` is a runtime argument: WGSL has no literal for NaN.
+#[cube(launch_unchecked, address_type = "dynamic")]
+fn fill<F: Float>(tensor: &mut Tensor<F>, value: f32, #[define(F)] _dtype: StorageType) {
+    if ABSOLUTE_POS < tensor.len() {
+        tensor[ABSOLUTE_POS] = F::cast_from(value);
+    }
+}
+
+fn poison<R: CubeRuntime>(tensor: &CubeTensor<R>) {
+    let units = tensor.meta.num_elements();
+    let cube_dim = CubeDim::new(&tensor.client, units);
+    let cube_count = cubecl::calculate_cube_count_elemwise(&tensor.client, units, cube_dim);
+    // SAFETY: one unit per element, guarded by the tensor length.
+    unsafe {
+        fill::launch_unchecked(
+            &tensor.client,
+            cube_count,
+            cube_dim,
+            tensor.required_address_type(),
+            tensor.clone().into_tensor_arg(),
+            f32::NAN,
+            tensor.dtype.into(),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Kernel-level smoke test on the bare wgpu backend (lavapipe in CI): the portable tile
+    //! against a plain CPU computation. The public API is tested at the workspace root.
+    use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
+    use burn::tensor::{Distribution, Tensor, TensorPrimitive};
+    use burn_cubecl::CubeBackend;
+
+    type B = CubeBackend<WgpuRuntime, f32, i32, u32>;
+
+    fn reference(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        sq: usize,
+        sk: usize,
+        d: usize,
+        causal: bool,
+    ) -> Vec<f64> {
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut out = vec![0.0; sq * d];
+        for i in 0..sq {
+            let visible = |j: usize| !causal || j + sq <= i + sk;
+            let s: Vec<f64> = (0..sk)
+                .map(|j| {
+                    (0..d)
+                        .map(|c| q[i * d + c] as f64 * k[j * d + c] as f64)
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let m = (0..sk)
+                .filter(|&j| visible(j))
+                .map(|j| s[j])
+                .fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = (0..sk)
+                .map(|j| if visible(j) { (s[j] - m).exp() } else { 0.0 })
+                .collect();
+            let l: f64 = p.iter().sum();
+            for c in 0..d {
+                out[i * d + c] = if l > 0.0 {
+                    (0..sk).map(|j| p[j] * v[j * d + c] as f64).sum::<f64>() / l
+                } else {
+                    0.0
+                };
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn portable_forward_matches_cpu() {
+        let device = WgpuDevice::default();
+        crate::testing::poison_outputs(true);
+        for &(sq, sk, d, causal) in &[
+            (1, 1, 64, false),
+            (1, 2, 64, false),
+            (2, 2, 64, false),
+            (7, 7, 64, false),
+            (65, 33, 64, true),
+            (33, 70, 128, true),
+        ] {
+            let q = Tensor::<B, 4>::random([1, 1, sq, d], Distribution::Normal(0.0, 1.0), &device);
+            let k = Tensor::<B, 4>::random([1, 1, sk, d], Distribution::Normal(0.0, 1.0), &device);
+            let v = Tensor::<B, 4>::random([1, 1, sk, d], Distribution::Normal(0.0, 1.0), &device);
+            let data = |t: &Tensor<B, 4>| t.to_data().to_vec::<f32>().unwrap();
+            let expected = reference(&data(&q), &data(&k), &data(&v), sq, sk, d, causal);
+            let (out, lse) = super::forward(
+                q.into_primitive().tensor(),
+                k.into_primitive().tensor(),
+                v.into_primitive().tensor(),
+                causal,
+                1.0 / (d as f32).sqrt(),
+            );
+            let lse = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(lse));
+            eprintln!(
+                "lse {:?}",
+                &lse.to_data().to_vec::<f32>().unwrap()[..2.min(sq)]
+            );
+            let out = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(out));
+            let got = out.to_data().to_vec::<f32>().unwrap();
+            let err = got
+                .iter()
+                .zip(&expected)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0.0, f64::max);
+            eprintln!(
+                "sq {sq} sk {sk} d {d} causal {causal}: max error {err} got {:?} want {:?}",
+                &got[..4],
+                &expected[..4]
+            );
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! Masking: which keys a query block sees. Causal attention is aligned bottom-right, as Burn's
+//! fallback: key `j` is visible to query `i` iff `j <= i + seq_k - seq_q`. Only blocks that cross
+//! the diagonal or the end of the keys are masked element by element; blocks wholly above the
+//! diagonal are never visited.
+
+use cubecl::prelude::*;
+
+use super::config::ForwardConfig;
+use super::tile::AttentionTile;
+
+/// Number of KV blocks the query block starting at `q_start` must visit.
+#[cube]
+pub fn kv_blocks(
+    q_start: usize,
+    seq_q: usize,
+    seq_k: usize,
+    #[comptime] cfg: ForwardConfig,
+) -> usize {
+    let mut kv_end = seq_k;
+    if comptime!(cfg.causal) {
+        // Keys visible to the block's last row: j < last + 1 + seq_k - seq_q, clamped to
+        // [0, seq_k] without going negative in unsigned arithmetic.
+        let q_end = min(q_start + cfg.block_q, seq_q);
+        let reach = q_end + seq_k;
+        kv_end = min(select(reach > seq_q, reach - seq_q, 0usize), seq_k);
+    }
+    kv_end.div_ceil(cfg.block_kv)
+}
+
+/// Whether some key of the block at `kv_start` is hidden from some query of the query block.
+#[cube]
+pub fn block_needs_mask(
+    q_start: usize,
+    kv_start: usize,
+    seq_q: usize,
+    seq_k: usize,
+    #[comptime] cfg: ForwardConfig,
+) -> bool {
+    let kv_end = kv_start + cfg.block_kv;
+    let mut needs = kv_end > seq_k;
+    if comptime!(cfg.causal) {
+        // The block's first query row sees keys j < q_start + 1 + seq_k - seq_q.
+        needs = needs || kv_end + seq_q > q_start + 1 + seq_k;
+    }
+    needs
+}
+
+/// Set the scores of hidden keys to `-inf`.
+#[cube]
+pub fn apply_mask<E: Float, T: AttentionTile<E>>(
+    scores: &mut Array<f32>,
+    q_start: usize,
+    kv_start: usize,
+    seq_q: usize,
+    seq_k: usize,
+    neg_inf: f32,
+    #[comptime] cfg: ForwardConfig,
+) {
+    #[unroll]
+    for reg in 0..cfg.score_regs() {
+        let (row, col) = T::score_position(reg, cfg);
+        let key = kv_start + col;
+        let mut hidden = key >= seq_k;
+        if comptime!(cfg.causal) {
+            hidden = hidden || key + seq_q > q_start + row + seq_k;
+        }
+        scores[reg] = select(hidden, neg_inf, scores[reg]);
+    }
+}

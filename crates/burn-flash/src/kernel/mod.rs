@@ -1,0 +1,22 @@
+//! The FlashAttention kernels: the algorithm (global / stage levels, online softmax, masking)
+//! written once, over a matrix tile chosen at launch (tensor cores or portable FMAs).
+
+mod config;
+mod forward;
+mod launch;
+mod mask;
+mod softmax;
+mod stage;
+mod tile;
+
+pub use launch::{forward, support};
+
+/// Which matrix tile a fused launch uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TilePath {
+    /// Tensor cores: `MmaDefinition` m16n8k16 tiles (`ldmatrix` + `mma.sync`), f16/bf16 inputs
+    /// with f32 accumulation, K/V staged by asynchronous copies. CUDA, SM80 and newer.
+    TensorCore,
+    /// Portable register FMAs in f32, one unit per query row; any CubeCL runtime.
+    Portable,
+}

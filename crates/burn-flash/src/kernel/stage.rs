@@ -1,0 +1,94 @@
+//! Stage level: key/value blocks staged in shared memory, either by asynchronous 16-byte copies
+//! (tensor-core path, overlapped with the previous block's math) or by plain loads (portable).
+
+use cubecl::prelude::barrier::copy_async_checked;
+use cubecl::prelude::*;
+
+use super::config::{ForwardConfig, CHUNK};
+
+/// Offset of element (`row`, `col`) inside one staged block of `width` columns. With swizzle,
+/// 16-byte chunk `c` of row `r` lives at chunk `c ^ (r % 8)`: eight consecutive rows read at the
+/// same column land in eight distinct bank groups.
+#[cube]
+pub fn stage_offset(
+    row: usize,
+    col: usize,
+    #[comptime] width: usize,
+    #[comptime] swizzle: bool,
+) -> usize {
+    if comptime!(swizzle) {
+        let chunk = (col / CHUNK) ^ (row % 8);
+        row * width + chunk * CHUNK + col % CHUNK
+    } else {
+        row * width + col
+    }
+}
+
+/// Issue asynchronous copies of rows `[first_row, first_row + block_kv)` of one head of `src`
+/// into `stage`. Rows at or past `seq_k` are zero-filled, never read.
+#[cube]
+pub fn copy_block_async<E: Float>(
+    src: &Tensor<E>,
+    head_base: usize,
+    first_row: usize,
+    seq_k: usize,
+    stage: &mut SharedMemory<E>,
+    stage_base: usize,
+    #[comptime] width: usize,
+    #[comptime] cfg: ForwardConfig,
+) {
+    let chunks_per_row = comptime!(width / CHUNK);
+    let chunks = comptime!(cfg.block_kv * width / CHUNK);
+    let units = comptime!(cfg.units());
+    let row_stride = src.stride(2);
+
+    // The launch checks that the chunks divide evenly among the units.
+    #[unroll]
+    for i in 0..comptime!(chunks / units) {
+        let id = i * units + UNIT_POS as usize;
+        let row = id / chunks_per_row;
+        let col = (id % chunks_per_row) * CHUNK;
+        let global_row = first_row + row;
+        let in_bounds = global_row < seq_k;
+        // Out-of-range rows point at row 0 with a zero-length source: cp.async zero-fills.
+        let src_start = head_base + select(in_bounds, global_row * row_stride + col, 0usize);
+        let len = select(in_bounds, CHUNK, 0usize);
+        let dst = stage_base + stage_offset(row, col, width, comptime!(cfg.swizzle()));
+        copy_async_checked(
+            &src.slice(src_start, src_start + len),
+            &mut stage.slice_mut(dst, dst + CHUNK),
+            CHUNK as u32,
+        );
+    }
+}
+
+/// Load rows `[first_row, first_row + block_kv)` of one head of `src` into `stage` with plain
+/// loads; rows at or past `seq_k` are stored as zeros. The caller synchronises the cube.
+#[cube]
+pub fn load_block<E: Float>(
+    src: &Tensor<E>,
+    head_base: usize,
+    first_row: usize,
+    seq_k: usize,
+    stage: &mut SharedMemory<E>,
+    #[comptime] width: usize,
+    #[comptime] cfg: ForwardConfig,
+) {
+    let elems = comptime!(cfg.block_kv * width);
+    let units = comptime!(cfg.units());
+    let row_stride = src.stride(2);
+
+    for i in 0..comptime!(elems.div_ceil(units)) {
+        let id = i * units + UNIT_POS as usize;
+        if id < elems {
+            let row = id / width;
+            let col = id % width;
+            let global_row = first_row + row;
+            let mut value = E::new(0.0);
+            if global_row < seq_k {
+                value = src[head_base + global_row * row_stride + col];
+            }
+            stage[stage_offset(row, col, width, comptime!(cfg.swizzle()))] = value;
+        }
+    }
+}

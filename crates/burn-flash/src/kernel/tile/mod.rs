@@ -1,0 +1,67 @@
+//! Tile level: the two matrix products of attention on one unit's registers. The algorithm
+//! (`forward`, `softmax`, `mask`) is written once against [`AttentionTile`]; the tensor-core tile
+//! runs on CUDA, the portable tile on any CubeCL runtime.
+
+mod mma;
+mod portable;
+
+pub use mma::MmaTile;
+pub use portable::PortableTile;
+
+use cubecl::prelude::*;
+
+use super::config::ForwardConfig;
+
+/// One unit's share of a query block: its query rows, its score registers for one KV block
+/// (`cfg.score_regs()` of them) and its output accumulators (`cfg.out_regs()`), with the
+/// positions each register stands for. Register `r` belongs to the unit's row `cfg.row_slot(r)`.
+#[cube]
+pub trait AttentionTile<E: Float>: 'static + Send + Sync {
+    /// The query rows this unit multiplies with, in the form the score product consumes.
+    type Query: CubeType;
+
+    /// Load this unit's query rows of the block starting at `q_start`; rows at or past `seq_q`
+    /// read as zeros.
+    fn load_query(
+        q: &Tensor<E>,
+        head_base: usize,
+        q_start: usize,
+        seq_q: usize,
+        #[comptime] cfg: ForwardConfig,
+    ) -> Self::Query;
+
+    /// Raw scores S = Q·Kᵀ of this unit's registers for the K block staged at `stage_base`.
+    fn scores(
+        query: &Self::Query,
+        keys: &SharedMemory<E>,
+        stage_base: usize,
+        #[comptime] cfg: ForwardConfig,
+    ) -> Array<f32>;
+
+    /// O += P·V for the V block staged at `stage_base`, P being this unit's score registers.
+    fn accumulate(
+        probs: &Array<f32>,
+        values: &SharedMemory<E>,
+        stage_base: usize,
+        out: &mut Array<f32>,
+        #[comptime] cfg: ForwardConfig,
+    );
+
+    /// (query row within the block, key column within the KV block) of score register `reg`.
+    fn score_position(#[comptime] reg: usize, #[comptime] cfg: ForwardConfig) -> (usize, usize);
+
+    /// (query row within the block, value column) of output register `reg`.
+    fn out_position(#[comptime] reg: usize, #[comptime] cfg: ForwardConfig) -> (usize, usize);
+
+    /// Query row within the block of the unit's row `slot`.
+    fn slot_row(#[comptime] slot: usize, #[comptime] cfg: ForwardConfig) -> usize;
+
+    /// Whether this unit writes the per-row statistics (one unit per row does).
+    fn writes_row_stats() -> bool;
+
+    /// Maximum over the units sharing this unit's row.
+    fn row_max(value: f32) -> f32;
+
+    /// Sum over the units sharing this unit's row.
+    fn row_sum(value: f32) -> f32;
+}

@@ -1,0 +1,96 @@
+//! The portable tile: one unit per query row, both products as f32 register FMAs reading the
+//! staged K/V rows from shared memory. Runs wherever CubeCL runs (wgpu, lavapipe included).
+
+use cubecl::prelude::*;
+
+use super::AttentionTile;
+use crate::kernel::config::ForwardConfig;
+use crate::kernel::stage::stage_offset;
+
+/// Register-FMA tile; unit `UNIT_POS` owns query row `UNIT_POS` of the block.
+pub struct PortableTile;
+
+#[cube]
+impl<E: Float> AttentionTile<E> for PortableTile {
+    type Query = Array<f32>;
+
+    fn load_query(
+        q: &Tensor<E>,
+        head_base: usize,
+        q_start: usize,
+        seq_q: usize,
+        #[comptime] cfg: ForwardConfig,
+    ) -> Array<f32> {
+        let mut query = Array::<f32>::new(cfg.head_dim);
+        let row = q_start + UNIT_POS as usize;
+        let in_bounds = row < seq_q;
+        let start = head_base + select(in_bounds, row * q.stride(2), 0usize);
+        #[unroll]
+        for c in 0..cfg.head_dim {
+            query[c] = select(in_bounds, f32::cast_from(q[start + c]), 0.0);
+        }
+        query
+    }
+
+    fn scores(
+        query: &Array<f32>,
+        keys: &SharedMemory<E>,
+        stage_base: usize,
+        #[comptime] cfg: ForwardConfig,
+    ) -> Array<f32> {
+        let mut scores = Array::<f32>::new(cfg.block_kv);
+        #[unroll]
+        for j in 0..cfg.block_kv {
+            let mut acc = 0.0f32;
+            #[unroll]
+            for c in 0..cfg.head_dim {
+                let key = keys[stage_base + stage_offset(j, c, cfg.head_dim, false)];
+                acc += query[c] * f32::cast_from(key);
+            }
+            scores[j] = acc;
+        }
+        scores
+    }
+
+    fn accumulate(
+        probs: &Array<f32>,
+        values: &SharedMemory<E>,
+        stage_base: usize,
+        out: &mut Array<f32>,
+        #[comptime] cfg: ForwardConfig,
+    ) {
+        #[unroll]
+        for j in 0..cfg.block_kv {
+            let p = probs[j];
+            #[unroll]
+            for c in 0..cfg.value_dim {
+                let value = values[stage_base + stage_offset(j, c, cfg.value_dim, false)];
+                out[c] += p * f32::cast_from(value);
+            }
+        }
+    }
+
+    fn score_position(#[comptime] reg: usize, #[comptime] _cfg: ForwardConfig) -> (usize, usize) {
+        (UNIT_POS as usize, reg)
+    }
+
+    fn out_position(#[comptime] reg: usize, #[comptime] _cfg: ForwardConfig) -> (usize, usize) {
+        (UNIT_POS as usize, reg)
+    }
+
+    fn slot_row(#[comptime] _slot: usize, #[comptime] _cfg: ForwardConfig) -> usize {
+        UNIT_POS as usize
+    }
+
+    fn writes_row_stats() -> bool {
+        UNIT_POS < CUBE_DIM
+    }
+
+    fn row_max(value: f32) -> f32 {
+        value
+    }
+
+    fn row_sum(value: f32) -> f32 {
+        value
+    }
+}

@@ -1,0 +1,52 @@
+//! Fused FlashAttention for [Burn](https://burn.dev), written in CubeCL.
+//!
+//! [`flash_attention`] computes `softmax(scale · Q·Kᵀ [+ causal mask]) · V` on
+//! `[batch, heads, seq, head_dim]` tensors in one kernel, without materialising the
+//! `seq_q × seq_k` score matrix, with the same conventions as
+//! `burn::tensor::module::attention`. It runs on the backends that implement
+//! [`FlashAttentionBackend`]: `burn::backend::Wgpu`, `burn::backend::Cuda` (feature `cuda`),
+//! and the bare `burn_cubecl::CubeBackend` under either.
+//!
+//! On CUDA (SM80 and newer) with f16/bf16 inputs the kernel uses the tensor cores; elsewhere a
+//! portable tile of register FMAs ([`TilePath`]). Inputs the kernel cannot run (a head dim or a
+//! device it has no tile for) take Burn's unfused `attention_fallback`, and the reason is logged
+//! with `log::warn!`; [`flash_attention_plan`] tells which path a call takes. Invalid inputs
+//! (mismatched shapes, devices or dtypes) are refused with a [`FlashAttentionError`].
+//!
+//! Forward only for now; the fused backward and `Autodiff` support come next.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use burn::backend::Wgpu;
+//! use burn::tensor::{Distribution, Tensor};
+//! use burn_flash::{flash_attention, flash_attention_plan, FlashAttentionOptions};
+//!
+//! let device = Default::default();
+//! let [q, k, v] = [0, 1, 2].map(|_| {
+//!     Tensor::<Wgpu, 4>::random([4, 16, 1024, 64], Distribution::Normal(0.0, 1.0), &device)
+//! });
+//! let options = FlashAttentionOptions::causal();
+//! println!("{}", flash_attention_plan(&q, &k, &v, options).unwrap());
+//! let out = flash_attention(q, k, v, options); // [4, 16, 1024, 64]
+//! ```
+#![warn(missing_docs)]
+
+mod api;
+mod backend;
+mod backends {
+    mod aliases;
+    mod cube;
+    mod fusion;
+}
+mod error;
+pub(crate) mod kernel;
+mod options;
+#[doc(hidden)]
+pub mod testing;
+
+pub use api::{flash_attention, flash_attention_plan, try_flash_attention, FlashAttentionPlan};
+pub use backend::{FlashAttentionBackend, FlashAttentionForward, FlashAttentionProblem};
+pub use error::FlashAttentionError;
+pub use kernel::TilePath;
+pub use options::FlashAttentionOptions;

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build the CUDA test and benchmark binaries here (the GPU machine has no Rust), strip and
+# compress them into .gpu/ (git-ignored), ready to be carried to the GPU machine, where
+# scripts/gpu-run.sh runs them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .gpu && mkdir -p .gpu
+cargo test --release --features cuda --no-run --message-format json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do
+  case "$name" in forward_cuda|*cuda*) cp "$exe" ".gpu/test-$name" ;; esac
+done
+cargo bench --features cuda --no-run --message-format json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["bench"]:
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do cp "$exe" ".gpu/bench-$name"; done
+cp ../shared/tools/torch_sdpa_bench.py .gpu/
+strip .gpu/test-* .gpu/bench-* 2>/dev/null || true
+xz -T2 -6 .gpu/test-* .gpu/bench-*
+ls -la .gpu

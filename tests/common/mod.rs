@@ -1,0 +1,498 @@
+//! Shared by the integration tests: an f64 CPU reference of attention, seeded random inputs and
+//! error measures.
+//!
+//! The reference is written from the definition, independently of Burn and of the kernels:
+//! for query row `i` of one (batch, head), `s_j = scale · q_i·k_j` over the keys `j` the row sees,
+//! `out_i = Σ_j softmax(s)_j · v_j`, and `lse_i = ln Σ_j exp(s_j)`. With the causal mask the row
+//! sees the keys `j <= i + (seq_k - seq_q)` (aligned bottom-right, as Burn's
+//! `attention_fallback`); a row that sees no key has output 0 and log-sum-exp `-inf`.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Sizes of one attention call: `q: [batch, heads, seq_q, head_dim]`,
+/// `k: [batch, heads, seq_k, head_dim]`, `v: [batch, heads, seq_k, value_dim]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Problem {
+    pub batch: usize,
+    pub heads: usize,
+    pub seq_q: usize,
+    pub seq_k: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+}
+
+impl Problem {
+    /// Self-attention sizes: `seq_q == seq_k`, `value_dim == head_dim`.
+    pub fn square(batch: usize, heads: usize, seq: usize, head_dim: usize) -> Self {
+        Self::cross(batch, heads, seq, seq, head_dim)
+    }
+
+    /// Different query and key lengths, `value_dim == head_dim`.
+    pub fn cross(batch: usize, heads: usize, seq_q: usize, seq_k: usize, head_dim: usize) -> Self {
+        Self {
+            batch,
+            heads,
+            seq_q,
+            seq_k,
+            head_dim,
+            value_dim: head_dim,
+        }
+    }
+
+    pub fn q_dims(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.seq_q, self.head_dim]
+    }
+
+    pub fn k_dims(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.seq_k, self.head_dim]
+    }
+
+    pub fn v_dims(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.seq_k, self.value_dim]
+    }
+
+    pub fn out_dims(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.seq_q, self.value_dim]
+    }
+}
+
+impl core::fmt::Display for Problem {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(
+            f,
+            "b {} h {} seq_q {} seq_k {} d {}",
+            self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim
+        )?;
+        if self.value_dim != self.head_dim {
+            write!(f, " dv {}", self.value_dim)?;
+        }
+        Ok(())
+    }
+}
+
+/// How many keys query row `i` sees: all of them, or with the causal mask aligned bottom-right
+/// the keys `j <= i + seq_k - seq_q` (possibly none when `seq_k < seq_q`).
+pub fn visible_keys(i: usize, seq_q: usize, seq_k: usize, causal: bool) -> usize {
+    if !causal {
+        return seq_k;
+    }
+    let last = i as i64 + seq_k as i64 - seq_q as i64; // last visible key, may be negative
+    (last + 1).clamp(0, seq_k as i64) as usize
+}
+
+/// One query row of one (batch, head): `q_row` has `head_dim` values, `keys` and `values` hold
+/// that head's `[seq_k, head_dim]` and `[seq_k, value_dim]` rows (row-major). Returns the output
+/// row (`value_dim` values) and the natural log-sum-exp of the scaled scores over the first
+/// `visible` keys; `(zeros, -inf)` when `visible == 0`.
+pub fn reference_row(
+    q_row: &[f64],
+    keys: &[f64],
+    values: &[f64],
+    value_dim: usize,
+    visible: usize,
+    scale: f64,
+) -> (Vec<f64>, f64) {
+    let head_dim = q_row.len();
+    assert!(keys.len() >= visible * head_dim && values.len() >= visible * value_dim);
+    let mut out = vec![0.0; value_dim];
+    if visible == 0 {
+        return (out, f64::NEG_INFINITY);
+    }
+    let scores: Vec<f64> = (0..visible)
+        .map(|j| {
+            let key = &keys[j * head_dim..(j + 1) * head_dim];
+            scale * q_row.iter().zip(key).map(|(a, b)| a * b).sum::<f64>()
+        })
+        .collect();
+    let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+    let sum: f64 = weights.iter().sum();
+    for (j, w) in weights.iter().enumerate() {
+        let value = &values[j * value_dim..(j + 1) * value_dim];
+        for (o, x) in out.iter_mut().zip(value) {
+            *o += w * x;
+        }
+    }
+    for o in &mut out {
+        *o /= sum;
+    }
+    (out, max + sum.ln())
+}
+
+/// The reference of a whole call on row-major host copies of `q`, `k`, `v` (shapes as in
+/// [`Problem`]). Returns the output `[batch, heads, seq_q, value_dim]` and the log-sum-exp
+/// `[batch, heads, seq_q]`. `scale: None` means `1 / sqrt(head_dim)`.
+pub fn reference_attention(
+    p: &Problem,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    causal: bool,
+    scale: Option<f64>,
+) -> (Vec<f64>, Vec<f64>) {
+    assert_eq!(q.len(), p.q_dims().iter().product::<usize>());
+    assert_eq!(k.len(), p.k_dims().iter().product::<usize>());
+    assert_eq!(v.len(), p.v_dims().iter().product::<usize>());
+    let scale = scale.unwrap_or(1.0 / (p.head_dim as f64).sqrt());
+    let (d, dv) = (p.head_dim, p.value_dim);
+    let mut out = Vec::with_capacity(p.out_dims().iter().product());
+    let mut lse = Vec::with_capacity(p.batch * p.heads * p.seq_q);
+    for bh in 0..p.batch * p.heads {
+        let q_head = &q[bh * p.seq_q * d..(bh + 1) * p.seq_q * d];
+        let k_head = &k[bh * p.seq_k * d..(bh + 1) * p.seq_k * d];
+        let v_head = &v[bh * p.seq_k * dv..(bh + 1) * p.seq_k * dv];
+        for i in 0..p.seq_q {
+            let visible = visible_keys(i, p.seq_q, p.seq_k, causal);
+            let (row, row_lse) = reference_row(
+                &q_head[i * d..(i + 1) * d],
+                k_head,
+                v_head,
+                dv,
+                visible,
+                scale,
+            );
+            out.extend(row);
+            lse.push(row_lse);
+        }
+    }
+    (out, lse)
+}
+
+/// Unit roundoff of a float dtype (half the distance from 1 to the next value).
+pub fn unit_roundoff(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => f64::EPSILON / 2.0,
+        DType::F32 => f32::EPSILON as f64 / 2.0,
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+        other => panic!("no unit roundoff for {other:?}"),
+    }
+}
+
+/// Round an f32 to the nearest value of `dtype` (f16, bf16 or f32), returned as f32.
+pub fn round_to(value: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => value,
+        DType::F16 => half::f16::from_f32(value).to_f32(),
+        DType::BF16 => half::bf16::from_f32(value).to_f32(),
+        other => panic!("unsupported test dtype {other:?}"),
+    }
+}
+
+/// `len` samples of a standard normal distribution from a seeded generator (Box–Muller),
+/// rounded to `dtype`. Values of exactly 0 are redrawn, so inputs are never zeros.
+pub fn random_normal(len: usize, seed: u64, dtype: DType) -> Vec<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut values = Vec::with_capacity(len);
+    while values.len() < len {
+        // 1 - [0, 1) is (0, 1], so the log is finite.
+        let u1: f64 = 1.0 - rng.random::<f64>();
+        let u2: f64 = rng.random::<f64>();
+        let radius = (-2.0 * u1.ln()).sqrt();
+        let angle = 2.0 * core::f64::consts::PI * u2;
+        for sample in [radius * angle.cos(), radius * angle.sin()] {
+            let rounded = round_to(sample as f32, dtype);
+            if rounded != 0.0 && values.len() < len {
+                values.push(rounded);
+            }
+        }
+    }
+    values
+}
+
+/// Host copies of `q`, `k` and `v` for a problem, already rounded to the dtype the device will
+/// hold, so the reference sees exactly the values the kernels see.
+pub struct Inputs {
+    pub problem: Problem,
+    pub dtype: DType,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+impl Inputs {
+    /// Fresh standard-normal inputs; `seed` selects them (q, k and v use different streams).
+    pub fn random(problem: Problem, dtype: DType, seed: u64) -> Self {
+        let len = |dims: [usize; 4]| dims.iter().product::<usize>();
+        let base = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        Self {
+            problem,
+            dtype,
+            q: random_normal(len(problem.q_dims()), base ^ 1, dtype),
+            k: random_normal(len(problem.k_dims()), base ^ 2, dtype),
+            v: random_normal(len(problem.v_dims()), base ^ 3, dtype),
+        }
+    }
+
+    /// The three tensors on a device, in `self.dtype` (exact: the values are representable).
+    pub fn to_device<B: Backend>(&self, device: &B::Device) -> [Tensor<B, 4>; 3] {
+        let p = &self.problem;
+        [
+            (&self.q, p.q_dims()),
+            (&self.k, p.k_dims()),
+            (&self.v, p.v_dims()),
+        ]
+        .map(|(values, dims)| tensor_from_host::<B>(values, dims, self.dtype, device))
+    }
+
+    /// The f64 reference output and log-sum-exp of these inputs.
+    pub fn reference(&self, causal: bool, scale: Option<f64>) -> (Vec<f64>, Vec<f64>) {
+        let widen = |values: &[f32]| values.iter().map(|&x| x as f64).collect::<Vec<_>>();
+        reference_attention(
+            &self.problem,
+            &widen(&self.q),
+            &widen(&self.k),
+            &widen(&self.v),
+            causal,
+            scale,
+        )
+    }
+}
+
+/// A tensor of `dtype` holding `values` (which must be representable in `dtype`).
+pub fn tensor_from_host<B: Backend>(
+    values: &[f32],
+    dims: [usize; 4],
+    dtype: DType,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    let data = match dtype {
+        DType::F32 => TensorData::new(values.to_vec(), dims),
+        DType::F16 => TensorData::new(
+            values.iter().map(|&x| half::f16::from_f32(x)).collect(),
+            dims,
+        ),
+        DType::BF16 => TensorData::new(
+            values.iter().map(|&x| half::bf16::from_f32(x)).collect(),
+            dims,
+        ),
+        other => panic!("unsupported test dtype {other:?}"),
+    };
+    let tensor = Tensor::<B, 4>::from_data(data, (device, dtype));
+    assert_eq!(
+        tensor.dtype(),
+        dtype,
+        "the tensor was not created in {dtype:?}"
+    );
+    tensor
+}
+
+/// A device tensor's values, widened to f64 (NaN stays NaN).
+pub fn to_host<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f64> {
+    tensor.into_data().iter::<f64>().collect()
+}
+
+/// How far a result is from the reference.
+#[derive(Clone, Copy, Debug)]
+pub struct Error {
+    /// `‖got − ref‖₂ / ‖ref‖₂` over everything (the plain norm of the difference when the
+    /// reference is all 0); infinite when `got` holds a NaN or an infinity.
+    pub relative: f64,
+    /// The worst row: `max_i ‖got_i − ref_i‖₂ / ‖ref_i‖₂` over output rows (the plain norm for a
+    /// row whose reference is 0). Sensitive to a bug confined to one row, e.g. one key wrongly
+    /// masked, which the global norm dilutes. Infinite with non-finite values.
+    pub row_relative: f64,
+    /// `max |got − ref|`; infinite when `got` holds a NaN or an infinity.
+    pub max_abs: f64,
+    /// `max |ref|`, for scale.
+    pub ref_max: f64,
+    /// Values of `got` that are NaN or infinite.
+    pub non_finite: usize,
+}
+
+impl Error {
+    /// Whether every value was finite (a NaN never passes).
+    pub fn finite(&self) -> bool {
+        self.non_finite == 0
+    }
+}
+
+impl core::fmt::Display for Error {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(
+            f,
+            "relative {:.3e}, worst row {:.3e}, max abs {:.3e} (max |ref| {:.3}), non-finite {}",
+            self.relative, self.row_relative, self.max_abs, self.ref_max, self.non_finite
+        )
+    }
+}
+
+/// Compare `got` with `reference` element by element (same length, rows of `row_len` values).
+/// A NaN or infinity in `got` makes every measure infinite, so no tolerance can accept it.
+pub fn error(got: &[f64], reference: &[f64], row_len: usize) -> Error {
+    assert_eq!(
+        got.len(),
+        reference.len(),
+        "result and reference differ in length"
+    );
+    assert!(row_len > 0 && got.len() % row_len == 0, "rows of {row_len}");
+    let (mut diff_sq, mut ref_sq) = (0.0, 0.0);
+    let (mut max_abs, mut ref_max, mut row_relative): (f64, f64, f64) = (0.0, 0.0, 0.0);
+    let mut non_finite = 0;
+    for (got_row, ref_row) in got.chunks(row_len).zip(reference.chunks(row_len)) {
+        let (mut row_diff_sq, mut row_ref_sq) = (0.0, 0.0);
+        for (&g, &r) in got_row.iter().zip(ref_row) {
+            assert!(r.is_finite(), "the reference holds a non-finite value");
+            if !g.is_finite() {
+                non_finite += 1;
+                continue;
+            }
+            let d = g - r;
+            row_diff_sq += d * d;
+            row_ref_sq += r * r;
+            max_abs = max_abs.max(d.abs());
+            ref_max = ref_max.max(r.abs());
+        }
+        diff_sq += row_diff_sq;
+        ref_sq += row_ref_sq;
+        let row = if row_ref_sq > 0.0 {
+            (row_diff_sq / row_ref_sq).sqrt()
+        } else {
+            row_diff_sq.sqrt()
+        };
+        row_relative = row_relative.max(row);
+    }
+    let relative = if ref_sq > 0.0 {
+        (diff_sq / ref_sq).sqrt()
+    } else {
+        diff_sq.sqrt()
+    };
+    if non_finite > 0 {
+        return Error {
+            relative: f64::INFINITY,
+            row_relative: f64::INFINITY,
+            max_abs: f64::INFINITY,
+            ref_max,
+            non_finite,
+        };
+    }
+    Error {
+        relative,
+        row_relative,
+        max_abs,
+        ref_max,
+        non_finite,
+    }
+}
+
+/// Unfused attention of one query row in low precision, emulated on the CPU: the steps of
+/// Burn's `attention_fallback` (`Q·Kᵀ`, `· scale`, mask, row max, subtract, `exp`, row sum,
+/// divide, `P·V`), each result rounded to `dtype` as a tensor of that dtype would hold it, with
+/// f32 accumulation inside the two products and the sum. The baseline of the FlashAttention test
+/// rule where running Burn's own fallback on every shape would cost minutes of autotuning.
+pub fn unfused_row(
+    q_row: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    value_dim: usize,
+    visible: usize,
+    scale: f64,
+    dtype: DType,
+) -> Vec<f64> {
+    let head_dim = q_row.len();
+    let round = |x: f32| round_to(x, dtype);
+    if visible == 0 {
+        return vec![0.0; value_dim];
+    }
+    let scores: Vec<f32> = (0..visible)
+        .map(|j| {
+            let key = &keys[j * head_dim..(j + 1) * head_dim];
+            let dot = q_row.iter().zip(key).fold(0f32, |acc, (a, b)| acc + a * b);
+            round(round(dot) * round(scale as f32))
+        })
+        .collect();
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = scores
+        .iter()
+        .map(|&s| round(round(s - max).exp()))
+        .collect();
+    let sum = round(exps.iter().sum::<f32>());
+    let probs: Vec<f32> = exps.iter().map(|&e| round(e / sum)).collect();
+    (0..value_dim)
+        .map(|c| {
+            let acc = probs
+                .iter()
+                .enumerate()
+                .fold(0f32, |acc, (j, p)| acc + p * values[j * value_dim + c]);
+            round(acc) as f64
+        })
+        .collect()
+}
+
+/// [`unfused_row`] over a whole call on host inputs (rows laid out `[batch, heads, seq_q]`).
+pub fn unfused_attention(inputs: &Inputs, causal: bool, scale: Option<f64>) -> Vec<f64> {
+    let p = &inputs.problem;
+    let scale = scale.unwrap_or(1.0 / (p.head_dim as f64).sqrt());
+    let (d, dv) = (p.head_dim, p.value_dim);
+    let mut out = Vec::with_capacity(p.out_dims().iter().product());
+    for bh in 0..p.batch * p.heads {
+        let keys = &inputs.k[bh * p.seq_k * d..(bh + 1) * p.seq_k * d];
+        let values = &inputs.v[bh * p.seq_k * dv..(bh + 1) * p.seq_k * dv];
+        for i in 0..p.seq_q {
+            let q_row = &inputs.q[(bh * p.seq_q + i) * d..(bh * p.seq_q + i + 1) * d];
+            let visible = visible_keys(i, p.seq_q, p.seq_k, causal);
+            out.extend(unfused_row(
+                q_row,
+                keys,
+                values,
+                dv,
+                visible,
+                scale,
+                inputs.dtype,
+            ));
+        }
+    }
+    out
+}
+
+/// Compare log-sum-exp rows: equal infinities (rows that see no key) count as exact; a NaN, or
+/// an infinity where the reference is finite (or the reverse), fails.
+pub fn lse_error(got: &[f64], reference: &[f64]) -> Error {
+    assert_eq!(
+        got.len(),
+        reference.len(),
+        "result and reference differ in length"
+    );
+    let mut max_abs: f64 = 0.0;
+    let mut ref_max: f64 = 0.0;
+    let mut non_finite = 0;
+    for (&g, &r) in got.iter().zip(reference) {
+        if r == f64::NEG_INFINITY {
+            if g != f64::NEG_INFINITY {
+                non_finite += 1;
+            }
+            continue;
+        }
+        if !g.is_finite() {
+            non_finite += 1;
+            continue;
+        }
+        max_abs = max_abs.max((g - r).abs());
+        ref_max = ref_max.max(r.abs());
+    }
+    if non_finite > 0 {
+        max_abs = f64::INFINITY;
+    }
+    let relative = if ref_max > 0.0 {
+        max_abs / ref_max
+    } else {
+        max_abs
+    };
+    Error {
+        relative,
+        row_relative: relative,
+        max_abs,
+        ref_max,
+        non_finite,
+    }
+}
+
+/// Indices of the output rows (flattened `[batch, heads, seq_q]`) that see no key.
+pub fn masked_rows(p: &Problem, causal: bool) -> Vec<usize> {
+    (0..p.batch * p.heads * p.seq_q)
+        .filter(|row| visible_keys(row % p.seq_q, p.seq_q, p.seq_k, causal) == 0)
+        .collect()
+}
