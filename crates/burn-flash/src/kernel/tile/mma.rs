@@ -70,6 +70,7 @@ fn operand<E: Float>(
 }
 
 #[cube]
+#[allow(clippy::manual_is_multiple_of)] // the cube macro expands `%`, not `is_multiple_of`
 impl<E: Float> AttentionTile<E> for MmaTile {
     /// A operands, 4 registers per 16-column step of the head dim.
     type Query = Array<Pair<E>>;
