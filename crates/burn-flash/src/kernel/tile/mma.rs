@@ -3,6 +3,9 @@
 //! stays in registers for the whole KV loop, and P goes from the S accumulators straight into
 //! the A operand of P·V without touching shared memory.
 
+// The cube macro expands `%` itself; `is_multiple_of` has no kernel form.
+#![allow(clippy::manual_is_multiple_of)]
+
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
@@ -70,7 +73,6 @@ fn operand<E: Float>(
 }
 
 #[cube]
-#[allow(clippy::manual_is_multiple_of)] // the cube macro expands `%`, not `is_multiple_of`
 impl<E: Float> AttentionTile<E> for MmaTile {
     /// A operands, 4 registers per 16-column step of the head dim.
     type Query = Array<Pair<E>>;
