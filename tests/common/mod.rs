@@ -328,7 +328,10 @@ pub fn error(got: &[f64], reference: &[f64], row_len: usize) -> Error {
         reference.len(),
         "result and reference differ in length"
     );
-    assert!(row_len > 0 && got.len().is_multiple_of(row_len), "rows of {row_len}");
+    assert!(
+        row_len > 0 && got.len().is_multiple_of(row_len),
+        "rows of {row_len}"
+    );
     let (mut diff_sq, mut ref_sq) = (0.0, 0.0);
     let (mut max_abs, mut ref_max, mut row_relative): (f64, f64, f64) = (0.0, 0.0, 0.0);
     let mut non_finite = 0;

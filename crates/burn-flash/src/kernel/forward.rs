@@ -1,6 +1,6 @@
-//! Global level of the forward: one cube per (query block, head, batch). The cube keeps its
-//! query rows in registers, walks the KV blocks it can see (stopping at the causal diagonal),
-//! and writes the normalised output and the per-row log-sum-exp.
+//! Global level of the forward: one cube per (query block, head, batch). The cube loads its
+//! query block once, walks the KV blocks it can see (stopping at the causal diagonal), and writes
+//! the normalised output and the per-row log-sum-exp.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -53,7 +53,6 @@ pub fn flash_forward<E: Float, T: AttentionTile<E>>(
         neg_inf,
     };
 
-    let query = T::load_query(q, coords.q_base, coords.q_start, coords.seq_q, cfg);
     let mut stats = init_stats(neg_inf, cfg);
     let mut acc = Array::<f32>::new(cfg.out_regs());
     #[unroll]
@@ -63,13 +62,9 @@ pub fn flash_forward<E: Float, T: AttentionTile<E>>(
 
     let blocks = kv_blocks(coords.q_start, coords.seq_q, coords.seq_k, cfg);
     if comptime!(cfg.tile == TilePath::TensorCore) {
-        kv_loop_pipelined::<E, T>(
-            &query, k, v, coords, blocks, scale, &mut stats, &mut acc, cfg,
-        );
+        kv_loop_pipelined::<E, T>(q, k, v, coords, blocks, scale, &mut stats, &mut acc, cfg);
     } else {
-        kv_loop::<E, T>(
-            &query, k, v, coords, blocks, scale, &mut stats, &mut acc, cfg,
-        );
+        kv_loop::<E, T>(q, k, v, coords, blocks, scale, &mut stats, &mut acc, cfg);
     }
 
     let (inv_sum, row_lse) = finish::<E, T>(&stats, scale, neg_inf, cfg);
@@ -79,7 +74,7 @@ pub fn flash_forward<E: Float, T: AttentionTile<E>>(
         let (row, col) = T::out_position(reg, cfg);
         let query_row = coords.q_start + row;
         if query_row < coords.seq_q {
-            let slot = comptime!(cfg.row_slot(reg));
+            let slot = comptime!(cfg.out_slot(reg));
             out[out_base + query_row * out.stride(2) + col] =
                 E::cast_from(acc[reg] * inv_sum[slot]);
         }
@@ -134,11 +129,12 @@ fn attend_block<E: Float, T: AttentionTile<E>>(
 }
 
 /// Two shared-memory stages filled by asynchronous copies: block `j + 1` is in flight while
-/// block `j` is computed. Stage `s` completes on barrier `s`.
+/// block `j` is computed. Stage `s` completes on barrier `s`. The query block loads while the
+/// first KV block is in flight.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
-    query: &T::Query,
+    q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
     coords: Coords,
@@ -164,6 +160,7 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
             coords.seq_k,
             &mut keys,
             0,
+            cfg.block_kv,
             cfg.head_dim,
             cfg,
         );
@@ -174,11 +171,13 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
             coords.seq_k,
             &mut values,
             0,
+            cfg.block_kv,
             cfg.value_dim,
             cfg,
         );
         barrier_0.commit_copy_async();
     }
+    let query = T::load_query(q, coords.q_base, coords.q_start, coords.seq_q, cfg);
     for block in 0..blocks {
         let stage = block % 2;
         // Waiting here also proves every unit is done with the other stage (last block's math),
@@ -199,6 +198,7 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
                 coords.seq_k,
                 &mut keys,
                 next_stage * key_stage,
+                cfg.block_kv,
                 cfg.head_dim,
                 cfg,
             );
@@ -209,6 +209,7 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
                 coords.seq_k,
                 &mut values,
                 next_stage * value_stage,
+                cfg.block_kv,
                 cfg.value_dim,
                 cfg,
             );
@@ -219,7 +220,7 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
             }
         }
         attend_block::<E, T>(
-            query,
+            &query,
             &keys,
             &values,
             stage,
@@ -237,7 +238,7 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn kv_loop<E: Float, T: AttentionTile<E>>(
-    query: &T::Query,
+    q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
     coords: Coords,
@@ -247,6 +248,7 @@ fn kv_loop<E: Float, T: AttentionTile<E>>(
     acc: &mut Array<f32>,
     #[comptime] cfg: ForwardConfig,
 ) {
+    let query = T::load_query(q, coords.q_base, coords.q_start, coords.seq_q, cfg);
     let mut keys = SharedMemory::<E>::new(cfg.block_kv * cfg.head_dim);
     let mut values = SharedMemory::<E>::new(cfg.block_kv * cfg.value_dim);
     for block in 0..blocks {
@@ -272,7 +274,7 @@ fn kv_loop<E: Float, T: AttentionTile<E>>(
         );
         sync_cube();
         attend_block::<E, T>(
-            query, &keys, &values, 0, first_row, coords, scale, stats, acc, cfg,
+            &query, &keys, &values, 0, first_row, coords, scale, stats, acc, cfg,
         );
     }
 }

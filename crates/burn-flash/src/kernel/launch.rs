@@ -1,5 +1,7 @@
 //! Launch: pick the tile from the device's features, shape the grid, allocate the outputs.
 
+use std::sync::OnceLock;
+
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -48,13 +50,19 @@ pub fn support<R: CubeRuntime>(
         && props.hardware.plane_size_min == 32
         && props.hardware.plane_size_max == 32;
     if dtype != DType::F32 && has_tensor_cores {
-        return if head_dim == value_dim && matches!(head_dim, 64 | 128) {
-            Ok(TilePath::TensorCore)
-        } else {
-            Err(format!(
+        if head_dim != value_dim || !matches!(head_dim, 64 | 128) {
+            return Err(format!(
                 "the tensor-core kernel supports head dims 64 and 128 (q/k {head_dim}, v {value_dim})"
-            ))
-        };
+            ));
+        }
+        let shared = tensor_core_config(head_dim, value_dim, false).shared_bytes(dtype.size());
+        if shared > props.hardware.max_shared_memory_size {
+            return Err(format!(
+                "the tensor-core kernel needs {shared} bytes of shared memory, the device has {}",
+                props.hardware.max_shared_memory_size
+            ));
+        }
+        return Ok(TilePath::TensorCore);
     }
 
     if head_dim == 0
@@ -66,8 +74,7 @@ pub fn support<R: CubeRuntime>(
             "the portable kernel supports head dims 1..={PORTABLE_MAX_DIM} (q/k {head_dim}, v {value_dim})"
         ));
     }
-    let cfg = ForwardConfig::portable(head_dim, value_dim, false);
-    let shared = cfg.block_kv * (head_dim + value_dim) * dtype.size();
+    let shared = ForwardConfig::portable(head_dim, value_dim, false).shared_bytes(dtype.size());
     if shared > props.hardware.max_shared_memory_size {
         return Err(format!(
             "the portable kernel needs {shared} bytes of shared memory, the device has {}",
@@ -75,6 +82,50 @@ pub fn support<R: CubeRuntime>(
         ));
     }
     Ok(TilePath::Portable)
+}
+
+/// Block shapes of the tensor-core forward: 4 planes of 32 query rows (128-row query blocks)
+/// over 64-key stages at head dim 64 and 32-key stages at 128, the shapes measured fastest on
+/// the H100 (`docs/perf-notes.md`). `BURN_FLASH_TC_SHAPE=planes,plane_rows,block_kv` overrides
+/// them for tuning runs.
+fn tensor_core_config(head_dim: usize, value_dim: usize, causal: bool) -> ForwardConfig {
+    static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
+    let shape = OVERRIDE.get_or_init(|| {
+        std::env::var("BURN_FLASH_TC_SHAPE").ok().and_then(|text| {
+            let parts: Vec<usize> = text
+                .split(',')
+                .filter_map(|p| p.trim().parse().ok())
+                .collect();
+            match parts[..] {
+                [planes, rows, kv]
+                    if matches!(planes, 1 | 2 | 4 | 8)
+                        && matches!(rows, 16 | 32)
+                        && matches!(kv, 32 | 64 | 128) =>
+                {
+                    Some((planes, rows, kv))
+                }
+                _ => {
+                    log::warn!("ignoring BURN_FLASH_TC_SHAPE={text:?}: expected planes,rows,kv");
+                    None
+                }
+            }
+        })
+    });
+    let (planes, plane_rows, block_kv) = shape.unwrap_or(if head_dim <= 64 {
+        (4, 32, 64)
+    } else {
+        (4, 32, 32)
+    });
+    let cfg = ForwardConfig::tensor_core(head_dim, value_dim, causal, planes, plane_rows, block_kv);
+    // Each unit issues the same number of 16-byte copies per stage.
+    for rows_by_width in [
+        cfg.block_q * head_dim,
+        cfg.block_kv * head_dim,
+        cfg.block_kv * value_dim,
+    ] {
+        assert_eq!(rows_by_width / CHUNK % cfg.units(), 0, "{cfg:?}");
+    }
+    cfg
 }
 
 /// Run the fused forward. `q: [b, h, sq, d]`, `k: [b, h, sk, d]`, `v: [b, h, sk, dv]`, on one
@@ -104,7 +155,7 @@ pub fn forward<R: CubeRuntime>(
 
     let (cfg, cube_dim) = match tile {
         TilePath::TensorCore => {
-            let cfg = ForwardConfig::tensor_core(head_dim, value_dim, causal);
+            let cfg = tensor_core_config(head_dim, value_dim, causal);
             (cfg, CubeDim::new_2d(32, cfg.planes as u32))
         }
         TilePath::Portable => {
@@ -112,11 +163,6 @@ pub fn forward<R: CubeRuntime>(
             (cfg, CubeDim::new_1d(cfg.units() as u32))
         }
     };
-    if tile == TilePath::TensorCore {
-        // Each unit issues the same number of 16-byte copies per stage.
-        assert_eq!(cfg.block_kv * head_dim / CHUNK % cfg.units(), 0);
-        assert_eq!(cfg.block_kv * value_dim / CHUNK % cfg.units(), 0);
-    }
     let cube_count = CubeCount::Static(
         seq_q.div_ceil(cfg.block_q) as u32,
         heads as u32,

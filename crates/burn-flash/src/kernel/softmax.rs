@@ -52,7 +52,7 @@ pub fn online_update<E: Float, T: AttentionTile<E>>(
     }
     #[unroll]
     for reg in 0..cfg.score_regs() {
-        let slot = comptime!(cfg.row_slot(reg));
+        let slot = comptime!(cfg.score_slot(reg));
         block_max[slot] = max(block_max[slot], scores[reg]);
     }
 
@@ -71,14 +71,14 @@ pub fn online_update<E: Float, T: AttentionTile<E>>(
 
     #[unroll]
     for reg in 0..cfg.score_regs() {
-        let slot = comptime!(cfg.row_slot(reg));
+        let slot = comptime!(cfg.score_slot(reg));
         let p = (scores[reg] * scale - shift[slot]).exp();
         scores[reg] = p;
         stats.sum[slot] += p;
     }
     #[unroll]
     for reg in 0..cfg.out_regs() {
-        let slot = comptime!(cfg.row_slot(reg));
+        let slot = comptime!(cfg.out_slot(reg));
         out[reg] *= alpha[slot];
     }
 }

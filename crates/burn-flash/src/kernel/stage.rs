@@ -24,21 +24,23 @@ pub fn stage_offset(
     }
 }
 
-/// Issue asynchronous copies of rows `[first_row, first_row + block_kv)` of one head of `src`
-/// into `stage`. Rows at or past `seq_k` are zero-filled, never read.
+/// Issue asynchronous copies of rows `[first_row, first_row + rows)` of one head of `src` into
+/// `stage`. Rows at or past `seq` are zero-filled, never read.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn copy_block_async<E: Float>(
     src: &Tensor<E>,
     head_base: usize,
     first_row: usize,
-    seq_k: usize,
+    seq: usize,
     stage: &mut SharedMemory<E>,
     stage_base: usize,
+    #[comptime] rows: usize,
     #[comptime] width: usize,
     #[comptime] cfg: ForwardConfig,
 ) {
     let chunks_per_row = comptime!(width / CHUNK);
-    let chunks = comptime!(cfg.block_kv * width / CHUNK);
+    let chunks = comptime!(rows * width / CHUNK);
     let units = comptime!(cfg.units());
     let row_stride = src.stride(2);
 
@@ -49,7 +51,7 @@ pub fn copy_block_async<E: Float>(
         let row = id / chunks_per_row;
         let col = (id % chunks_per_row) * CHUNK;
         let global_row = first_row + row;
-        let in_bounds = global_row < seq_k;
+        let in_bounds = global_row < seq;
         // Out-of-range rows point at row 0 with a zero-length source: cp.async zero-fills.
         let src_start = head_base + select(in_bounds, global_row * row_stride + col, 0usize);
         let len = select(in_bounds, CHUNK, 0usize);

@@ -1,17 +1,20 @@
 //! The tensor-core tile: m16n8k16 `mma.sync` through CubeCL's `MmaDefinition`, operands read
-//! from the swizzled K/V stages with `ldmatrix`. Each plane owns 16 query rows; its Q fragment
-//! stays in registers for the whole KV loop, and P goes from the S accumulators straight into
-//! the A operand of P·V without touching shared memory.
+//! from swizzled shared memory with `ldmatrix`. Each plane owns `cfg.plane_rows` query rows (one
+//! or two m16 blocks), so every K/V fragment it reads feeds that many MMAs. The query block is
+//! staged once in shared memory; its A fragments then either stay in registers for the whole KV
+//! loop or, at head dim 128, are re-read per KV block (`cfg.query_in_smem`). P goes from the S
+//! accumulators straight into the A operand of P·V without touching shared memory.
 
 // The cube macro expands `%` itself; `is_multiple_of` has no kernel form.
 #![allow(clippy::manual_is_multiple_of)]
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::AttentionTile;
-use crate::kernel::config::{ForwardConfig, CHUNK, MMA_K, MMA_N, MMA_ROWS};
-use crate::kernel::stage::stage_offset;
+use crate::kernel::config::{ForwardConfig, CHUNK, MMA_K, MMA_M, MMA_N};
+use crate::kernel::stage::{copy_block_async, stage_offset};
 
 /// Two 16-bit values in one 32-bit register, or two f32 accumulators: the MMA register unit.
 type Pair<T> = Vector<T, Const<2>>;
@@ -21,7 +24,7 @@ pub struct MmaTile;
 
 #[cube]
 fn definition<E: Float>() -> MmaDefinition<E, E, f32> {
-    MmaDefinition::<E, E, f32>::new(MMA_ROWS, MMA_N, MMA_K)
+    MmaDefinition::<E, E, f32>::new(MMA_M, MMA_N, MMA_K)
 }
 
 /// The (row, column) of accumulator element `nth` (0..4) of this lane in an m16n8 tile.
@@ -72,10 +75,74 @@ fn operand<E: Float>(
     out
 }
 
+/// The query block of a cube, staged in shared memory (swizzled like the K/V stages), and the
+/// plane's A fragments when they live in registers: 4 registers per (m16 block, 16-deep step),
+/// indexed `(m · steps + step) · 4`. With `cfg.query_in_smem` the register array is a 1-element
+/// placeholder.
+#[derive(CubeType)]
+pub struct MmaQuery<E: Float> {
+    stage: SharedMemory<E>,
+    regs: Array<Pair<E>>,
+}
+
+/// `ldmatrix.x4` of the A fragment of m16 block `m`, 16-deep step `step` of this plane's rows:
+/// lanes 0–15 address rows 0–15 at the step's first 8 columns, lanes 16–31 the next 8.
+#[cube]
+fn query_fragment<E: Float>(
+    stage: &SharedMemory<E>,
+    #[comptime] m: usize,
+    #[comptime] step: usize,
+    #[comptime] cfg: ForwardConfig,
+) -> Array<Pair<E>> {
+    let lane = UNIT_POS_X as usize;
+    let row = UNIT_POS_Y as usize * cfg.plane_rows + m * MMA_M + lane % 16usize;
+    let col = step * MMA_K + lane / 16usize * CHUNK;
+    let at = stage_offset(row, col, cfg.head_dim, true);
+    definition::<E>().load_matrix::<E, Const<2>>(
+        &stage.slice(at, at + CHUNK),
+        MatrixIdent::A,
+        4usize,
+        false,
+    )
+}
+
+/// The A operand of m16 block `m` at 16-deep step `step`, from registers or shared memory.
+#[cube]
+fn query_operand<E: Float>(
+    query: &MmaQuery<E>,
+    #[comptime] m: usize,
+    #[comptime] step: usize,
+    #[comptime] cfg: ForwardConfig,
+) -> Array<Pair<E>> {
+    if comptime!(cfg.query_in_smem) {
+        query_fragment::<E>(&query.stage, m, step, cfg)
+    } else {
+        let steps = comptime!(cfg.head_dim / MMA_K);
+        operand::<E>(&query.regs, comptime!((m * steps + step) * 4), 4usize)
+    }
+}
+
+/// (row within the block, column) of register `reg` of an accumulator `cols` wide: registers
+/// are grouped by m16 block, then by n8 tile, 4 per tile.
+#[cube]
+fn acc_block_position<E: Float>(
+    #[comptime] reg: usize,
+    #[comptime] cols: usize,
+    #[comptime] cfg: ForwardConfig,
+) -> (usize, usize) {
+    let per_block = comptime!(cols / MMA_N * 4);
+    let m = comptime!(reg / per_block);
+    let local = comptime!(reg % per_block);
+    let (row, col) = acc_position::<E>(comptime!(local % 4));
+    (
+        UNIT_POS_Y as usize * cfg.plane_rows + comptime!(m * MMA_M) + row,
+        comptime!(local / 4 * MMA_N) + col,
+    )
+}
+
 #[cube]
 impl<E: Float> AttentionTile<E> for MmaTile {
-    /// A operands, 4 registers per 16-column step of the head dim.
-    type Query = Array<Pair<E>>;
+    type Query = MmaQuery<E>;
 
     fn load_query(
         q: &Tensor<E>,
@@ -83,55 +150,87 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         q_start: usize,
         seq_q: usize,
         #[comptime] cfg: ForwardConfig,
-    ) -> Array<Pair<E>> {
-        let def = definition::<E>();
+    ) -> MmaQuery<E> {
+        let mut stage = SharedMemory::<E>::new_aligned(cfg.block_q * cfg.head_dim, 16usize);
+        let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+        sync_cube();
+        copy_block_async::<E>(
+            q,
+            head_base,
+            q_start,
+            seq_q,
+            &mut stage,
+            0,
+            cfg.block_q,
+            cfg.head_dim,
+            cfg,
+        );
+        barrier.commit_copy_async();
+        barrier.arrive_and_wait();
+
         let steps = comptime!(cfg.head_dim / MMA_K);
-        let mut query = Array::<Pair<E>>::new(steps * 4usize);
-        let plane_row = q_start + UNIT_POS_Y as usize * MMA_ROWS;
-        let zero = E::new(0.0);
-        #[unroll]
-        for i in 0..4usize {
-            let (row, col) = def.position_of_nth(UNIT_POS_X, (i * 2usize) as u32, MatrixIdent::A);
-            let global_row = plane_row + row as usize;
-            let in_bounds = global_row < seq_q;
-            let start =
-                head_base + select(in_bounds, global_row * q.stride(2), 0usize) + col as usize;
+        let held = comptime!(if cfg.query_in_smem {
+            1
+        } else {
+            cfg.m_tiles() * steps * 4
+        });
+        let mut regs = Array::<Pair<E>>::new(held);
+        if comptime!(!cfg.query_in_smem) {
             #[unroll]
-            for step in 0..steps {
-                let at = start + step * MMA_K;
-                query[step * 4usize + i] = pair::<E>(
-                    select(in_bounds, q[at], zero),
-                    select(in_bounds, q[at + 1usize], zero),
-                );
+            for m in 0..cfg.m_tiles() {
+                #[unroll]
+                for step in 0..steps {
+                    let fragment = query_fragment::<E>(&stage, m, step, cfg);
+                    #[unroll]
+                    for i in 0..4usize {
+                        regs[comptime!((m * steps + step) * 4 + i)] = fragment[i];
+                    }
+                }
             }
         }
-        query
+        MmaQuery::<E> { stage, regs }
     }
 
     fn scores(
-        query: &Array<Pair<E>>,
+        query: &MmaQuery<E>,
         keys: &SharedMemory<E>,
         stage_base: usize,
         #[comptime] cfg: ForwardConfig,
     ) -> Array<f32> {
         let def = definition::<E>();
+        let m_tiles = comptime!(cfg.m_tiles());
+        let n_tiles = comptime!(cfg.block_kv / MMA_N);
         let mut scores = Array::<f32>::new(cfg.score_regs());
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            scores[reg] = 0.0;
+        }
         // ldmatrix.x4 on K rows: lane l addresses key row l % 8 of the n-tile at 8-column chunk
         // l / 8, giving the B operands of two consecutive 16-deep steps.
         let lane = UNIT_POS_X as usize;
         let key_row = lane % 8usize;
         let chunk = lane / 8usize;
         #[unroll]
-        for tile in 0..cfg.block_kv / MMA_N {
-            let mut acc = Array::<Pair<f32>>::new(2usize);
-            acc[0] = Pair::<f32>::new(0.0);
-            acc[1] = Pair::<f32>::new(0.0);
+        for steps in 0..cfg.head_dim / (2 * MMA_K) {
+            // A operands of both steps for every m16 block: (m · 2 + s) · 4.
+            let mut a = Array::<Pair<E>>::new(m_tiles * 8);
             #[unroll]
-            for step in 0..cfg.head_dim / (2 * MMA_K) {
+            for m in 0..m_tiles {
+                #[unroll]
+                for s in 0..2usize {
+                    let fragment = query_operand::<E>(query, m, comptime!(steps * 2 + s), cfg);
+                    #[unroll]
+                    for i in 0..4usize {
+                        a[comptime!((m * 2 + s) * 4 + i)] = fragment[i];
+                    }
+                }
+            }
+            #[unroll]
+            for tile in 0..n_tiles {
                 let at = stage_base
                     + stage_offset(
                         tile * MMA_N + key_row,
-                        step * 2 * MMA_K + chunk * CHUNK,
+                        steps * 2 * MMA_K + chunk * CHUNK,
                         cfg.head_dim,
                         true,
                     );
@@ -141,18 +240,21 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                     4usize,
                     false,
                 );
-                def.execute_inplace(
-                    &operand::<E>(query, step * 8usize, 4usize),
-                    &operand::<E>(&b, 0usize, 2usize),
-                    &mut acc,
-                );
-                def.execute_inplace(
-                    &operand::<E>(query, step * 8usize + 4usize, 4usize),
-                    &operand::<E>(&b, 2usize, 2usize),
-                    &mut acc,
-                );
+                #[unroll]
+                for m in 0..m_tiles {
+                    let acc_tile = comptime!(m * n_tiles + tile);
+                    let mut acc = load_acc(&scores, acc_tile);
+                    #[unroll]
+                    for s in 0..2usize {
+                        def.execute_inplace(
+                            &operand::<E>(&a, comptime!((m * 2 + s) * 4), 4usize),
+                            &operand::<E>(&b, comptime!(s * 2), 2usize),
+                            &mut acc,
+                        );
+                    }
+                    store_acc(&acc, &mut scores, acc_tile);
+                }
             }
-            store_acc(&acc, &mut scores, tile);
         }
         scores
     }
@@ -165,6 +267,9 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         #[comptime] cfg: ForwardConfig,
     ) {
         let def = definition::<E>();
+        let m_tiles = comptime!(cfg.m_tiles());
+        let score_tiles = comptime!(cfg.block_kv / MMA_N);
+        let out_tiles = comptime!(cfg.value_dim / MMA_N);
         // ldmatrix.x4.trans on V rows: matrices (keys +0, cols +0), (keys +8, cols +0),
         // (keys +0, cols +8), (keys +8, cols +8) are the B operands of two n-tiles.
         let lane = UNIT_POS_X as usize;
@@ -172,13 +277,18 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         let col = lane / 16usize * CHUNK;
         #[unroll]
         for step in 0..cfg.block_kv / MMA_K {
-            // The S accumulators of n-tiles 2·step and 2·step + 1 are laid out exactly as the A
-            // operand of a 16-deep step: (row g, row g + 8) of the first, then of the second.
-            let mut p = Array::<Pair<E>>::new(4usize);
+            // The S accumulators of n-tiles 2·step and 2·step + 1 of an m16 block are laid out
+            // exactly as the A operand of a 16-deep step: (row g, row g + 8) of the first, then
+            // of the second.
+            let mut p = Array::<Pair<E>>::new(m_tiles * 4);
             #[unroll]
-            for i in 0..4usize {
-                let reg = comptime!((2 * step + i / 2) * 4 + (i % 2) * 2);
-                p[i] = pair::<E>(E::cast_from(probs[reg]), E::cast_from(probs[reg + 1]));
+            for m in 0..m_tiles {
+                #[unroll]
+                for i in 0..4usize {
+                    let reg = comptime!((m * score_tiles + 2 * step + i / 2) * 4 + (i % 2) * 2);
+                    p[comptime!(m * 4 + i)] =
+                        pair::<E>(E::cast_from(probs[reg]), E::cast_from(probs[reg + 1]));
+                }
             }
             #[unroll]
             for tiles in 0..cfg.value_dim / (2 * MMA_N) {
@@ -197,34 +307,34 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                 );
                 #[unroll]
                 for half in 0..2usize {
-                    let tile = comptime!(tiles * 2 + half);
-                    let mut acc = load_acc(out, tile);
-                    def.execute_inplace(&p, &operand::<E>(&b, half * 2usize, 2usize), &mut acc);
-                    store_acc(&acc, out, tile);
+                    #[unroll]
+                    for m in 0..m_tiles {
+                        let tile = comptime!(m * out_tiles + tiles * 2 + half);
+                        let mut acc = load_acc(out, tile);
+                        def.execute_inplace(
+                            &operand::<E>(&p, comptime!(m * 4), 4usize),
+                            &operand::<E>(&b, comptime!(half * 2), 2usize),
+                            &mut acc,
+                        );
+                        store_acc(&acc, out, tile);
+                    }
                 }
             }
         }
     }
 
-    fn score_position(#[comptime] reg: usize, #[comptime] _cfg: ForwardConfig) -> (usize, usize) {
-        let (row, col) = acc_position::<E>(comptime!(reg % 4));
-        (
-            UNIT_POS_Y as usize * MMA_ROWS + row,
-            comptime!(reg / 4 * MMA_N) + col,
-        )
+    fn score_position(#[comptime] reg: usize, #[comptime] cfg: ForwardConfig) -> (usize, usize) {
+        acc_block_position::<E>(reg, cfg.block_kv, cfg)
     }
 
-    fn out_position(#[comptime] reg: usize, #[comptime] _cfg: ForwardConfig) -> (usize, usize) {
-        let (row, col) = acc_position::<E>(comptime!(reg % 4));
-        (
-            UNIT_POS_Y as usize * MMA_ROWS + row,
-            comptime!(reg / 4 * MMA_N) + col,
-        )
+    fn out_position(#[comptime] reg: usize, #[comptime] cfg: ForwardConfig) -> (usize, usize) {
+        acc_block_position::<E>(reg, cfg.value_dim, cfg)
     }
 
-    fn slot_row(#[comptime] slot: usize, #[comptime] _cfg: ForwardConfig) -> usize {
-        let (row, _col) = acc_position::<E>(comptime!(slot * 2));
-        UNIT_POS_Y as usize * MMA_ROWS + row
+    fn slot_row(#[comptime] slot: usize, #[comptime] cfg: ForwardConfig) -> usize {
+        // Slot 2m is row g of m16 block m, slot 2m + 1 row g + 8: accumulator element 0 or 2.
+        let (row, _col) = acc_position::<E>(comptime!(slot % 2 * 2));
+        UNIT_POS_Y as usize * cfg.plane_rows + comptime!(slot / 2 * MMA_M) + row
     }
 
     fn writes_row_stats() -> bool {

@@ -14,7 +14,8 @@ use super::config::ForwardConfig;
 
 /// One unit's share of a query block: its query rows, its score registers for one KV block
 /// (`cfg.score_regs()` of them) and its output accumulators (`cfg.out_regs()`), with the
-/// positions each register stands for. Register `r` belongs to the unit's row `cfg.row_slot(r)`.
+/// positions each register stands for. Score register `r` belongs to the unit's row
+/// `cfg.score_slot(r)`, output register `r` to `cfg.out_slot(r)`.
 #[cube]
 pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// The query rows this unit multiplies with, in the form the score product consumes.

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (no Rust there), from the repository root, with the binaries that
+# scripts/pack-gpu.sh left in .gpu/. Everything it measures goes under $OUT.
+#
+#   scripts/gpu-run.sh tests   # CUDA tests (fail loudly without a device)
+#   scripts/gpu-run.sh sources # dump the fused kernels' generated CUDA source
+#   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV
+#   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
+#
+# Several stages may be given; they run in order.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+for f in .gpu/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
+chmod +x .gpu/test-* .gpu/bench-* 2>/dev/null
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt"
+cat "$OUT/gpu.txt"
+
+BENCH_D=${BENCH_D:-64,128}
+BENCH_N=${BENCH_N:-512,1024,2048,4096,8192,16384}
+
+for stage in "$@"; do
+  case "$stage" in
+  tests)
+    for t in .gpu/test-*; do
+      echo "== $t"
+      BURN_FLASH_REQUIRE_CUDA=1 "$t" --test-threads 1 ${TEST_FILTER:-} 2>&1 | tee "$OUT/$(basename "$t").log" | tail -25
+    done
+    ;;
+  sources)
+    # The fused kernels' generated CUDA source, for register/spill checks where ptxas is.
+    CUBECL_DEBUG_LOG="$OUT/cubecl.log" .gpu/bench-attention --impls burn-flash --d "$BENCH_D" \
+      --n 256 --iters 1 --warmup 0 --causal both >/dev/null 2>&1
+    python3 - "$OUT/cubecl.log" "$OUT" <<'EOF'
+import re, sys, pathlib
+log = pathlib.Path(sys.argv[1]).read_text(errors="replace")
+out = pathlib.Path(sys.argv[2])
+blocks = re.findall(r"\[START_KERNEL_COMPILATION\](.*?)\[END_KERNEL_COMPILATION\]", log, re.S)
+fused = [b for b in blocks if "flash_forward" in b and "__global__" in b]
+for n, block in enumerate(fused):
+    start = block.index("#include")
+    (out / f"flash_forward_{n}.meta").write_text(block[:start])
+    (out / f"flash_forward_{n}.cu").write_text(block[start:].rstrip().removesuffix("```"))
+print(f"{len(fused)} fused-forward kernel sources")
+EOF
+    rm -f "$OUT/cubecl.log"
+    ;;
+  bench)
+    .gpu/bench-attention --d "$BENCH_D" --n "$BENCH_N" --causal both ${BENCH_ARGS:-} \
+      2>"$OUT/bench.err" | tee "$OUT/bench.csv"
+    python3 .gpu/torch_sdpa_bench.py --d "$BENCH_D" --n "$BENCH_N" --causal both \
+      --backends flash,cudnn --modes "${TORCH_MODES:-fwd}" 2>"$OUT/torch.err" | tee "$OUT/torch.csv"
+    { cat "$OUT/bench.csv"; grep -v '^impl,' "$OUT/torch.csv"; } >"$OUT/h100.csv"
+    ;;
+  tune)
+    for shape in ${SHAPES:-4,32,64}; do
+      echo "# BURN_FLASH_TC_SHAPE=$shape"
+      BURN_FLASH_TC_SHAPE=$shape .gpu/bench-attention --impls burn-flash --d "$BENCH_D" \
+        --n "$BENCH_N" --causal both --iters 20 2>>"$OUT/tune.err" | sed "s/^burn-flash,/burn-flash[$shape],/"
+    done | tee -a "$OUT/tune.csv"
+    ;;
+  *)
+    echo "unknown stage $stage" >&2
+    exit 2
+    ;;
+  esac
+done
