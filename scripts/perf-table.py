@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""Markdown tables of forward TFLOPS from benchmark CSVs (columns of torch_sdpa_bench.py).
+
+    scripts/perf-table.py docs/perf/h100.csv [docs/perf/h100-burn-peers.csv]
+
+Each CSV is one GPU call: ratios are only formed between rows of the same file.
+"""
+import csv
+import sys
+from collections import defaultdict
+
+
+def load(path):
+    rows = defaultdict(dict)
+    with open(path) as f:
+        for r in csv.DictReader(line for line in f if not line.startswith("#")):
+            if r["mode"] != "fwd":
+                continue
+            key = (int(r["d"]), r["causal"] == "True", int(r["n"]))
+            rows[key][r["impl"]] = float(r["tflops"])
+    return rows
+
+
+def table(path, peers):
+    rows = load(path)
+    impls = sorted({i for v in rows.values() for i in v}, key=lambda i: (i != "burn-flash", i))
+    head = ["d", "causal", "n"] + impls + [f"flash / {p}" for p in peers if p in impls]
+    print(f"From `{path}` (TFLOPS, forward):\n")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for (d, causal, n), v in sorted(rows.items()):
+        cells = [str(d), "yes" if causal else "no", str(n)]
+        cells += [f"{v[i]:.1f}" if i in v else "–" for i in impls]
+        for p in peers:
+            if p in impls:
+                ok = "burn-flash" in v and p in v and v[p] > 0
+                cells.append(f"{v['burn-flash'] / v[p]:.2f}×" if ok else "–")
+        print("| " + " | ".join(cells) + " |")
+    print()
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        table(path, ["torch-flash", "torch-cudnn", "burn-unfused", "burn-builtin"])
