@@ -499,3 +499,63 @@ pub fn masked_rows(p: &Problem, causal: bool) -> Vec<usize> {
         .filter(|row| visible_keys(row % p.seq_q, p.seq_q, p.seq_k, causal) == 0)
         .collect()
 }
+
+/// Reference gradients of `sum(grad_out ∘ attention(q, k, v))` with respect to `q`, `k` and `v`,
+/// in f64, by the textbook formulas on the full score matrix of each head: `P = softmax(S)`,
+/// `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − rowsum(dP ∘ P))`, `dQ = scale·dS·K`,
+/// `dK = scale·dSᵀ·Q`. Rows that see no key have zero gradients.
+#[allow(clippy::too_many_arguments)]
+pub fn reference_grads(
+    p: &Problem,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    grad_out: &[f64],
+    causal: bool,
+    scale: Option<f64>,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let scale = scale.unwrap_or(1.0 / (p.head_dim as f64).sqrt());
+    let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
+    let mut dq = vec![0.0; q.len()];
+    let mut dk = vec![0.0; k.len()];
+    let mut dvs = vec![0.0; v.len()];
+    for bh in 0..p.batch * p.heads {
+        let (qo, ko, vo, go) = (bh * sq * d, bh * sk * d, bh * sk * dv, bh * sq * dv);
+        for i in 0..sq {
+            let visible = visible_keys(i, sq, sk, causal);
+            if visible == 0 {
+                continue;
+            }
+            let q_row = &q[qo + i * d..qo + (i + 1) * d];
+            let g_row = &grad_out[go + i * dv..go + (i + 1) * dv];
+            let scores: Vec<f64> = (0..visible)
+                .map(|j| {
+                    let key = &k[ko + j * d..ko + (j + 1) * d];
+                    scale * q_row.iter().zip(key).map(|(a, b)| a * b).sum::<f64>()
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = weights.iter().sum();
+            let probs: Vec<f64> = weights.iter().map(|w| w / sum).collect();
+            let dp: Vec<f64> = (0..visible)
+                .map(|j| {
+                    let value = &v[vo + j * dv..vo + (j + 1) * dv];
+                    g_row.iter().zip(value).map(|(a, b)| a * b).sum::<f64>()
+                })
+                .collect();
+            let row_dot: f64 = probs.iter().zip(&dp).map(|(a, b)| a * b).sum();
+            for j in 0..visible {
+                let ds = probs[j] * (dp[j] - row_dot);
+                for c in 0..d {
+                    dq[qo + i * d + c] += scale * ds * k[ko + j * d + c];
+                    dk[ko + j * d + c] += scale * ds * q_row[c];
+                }
+                for c in 0..dv {
+                    dvs[vo + j * dv + c] += probs[j] * g_row[c];
+                }
+            }
+        }
+    }
+    (dq, dk, dvs)
+}

@@ -116,6 +116,36 @@ pub struct FlashAttentionForward<B: Backend> {
     pub lse: FloatTensor<B>,
 }
 
+/// The gradients the fused backward returns, each shaped and typed as its input.
+///
+/// # Example
+///
+/// ```
+/// use burn::tensor::ops::FloatTensor;
+/// use burn_flash::{FlashAttentionBackend, FlashAttentionGrads, FlashAttentionOptions};
+///
+/// fn value_grad<B: FlashAttentionBackend>(
+///     [q, k, v]: [FloatTensor<B>; 3],
+///     grad_output: FloatTensor<B>,
+/// ) -> FloatTensor<B> {
+///     let options = FlashAttentionOptions::default();
+///     let forward = B::flash_attention_forward(q.clone(), k.clone(), v.clone(), options);
+///     let grads: FlashAttentionGrads<B> = B::flash_attention_backward(
+///         q, k, v, forward.output, forward.lse, grad_output, options,
+///     );
+///     grads.v
+/// }
+/// ```
+#[derive(Clone, Debug)]
+pub struct FlashAttentionGrads<B: Backend> {
+    /// Gradient of the queries, `[batch, heads, seq_q, head_dim]`.
+    pub q: FloatTensor<B>,
+    /// Gradient of the keys, `[batch, heads, seq_k, head_dim]`.
+    pub k: FloatTensor<B>,
+    /// Gradient of the values, `[batch, heads, seq_k, value_dim]`.
+    pub v: FloatTensor<B>,
+}
+
 /// A backend that runs the fused FlashAttention kernels.
 ///
 /// Implemented for `burn_cubecl::CubeBackend<R, F, I, BT>` (any CubeCL runtime) and for
@@ -125,7 +155,9 @@ pub struct FlashAttentionForward<B: Backend> {
 /// [`flash_attention_support`](Self::flash_attention_support) and takes Burn's unfused attention
 /// when the fused kernel cannot run.
 ///
-/// A backward method and an `Autodiff<B>` implementation are planned.
+/// `burn::backend::Autodiff<B>` implements it on top of any `B` that does: its forward records
+/// one node whose backward is [`flash_attention_backward`](Self::flash_attention_backward),
+/// saving `q`, `k`, `v`, the output and the log-sum-exp only.
 ///
 /// # Example
 ///
@@ -190,4 +222,45 @@ pub trait FlashAttentionBackend: Backend {
         v: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> FlashAttentionForward<Self>;
+
+    /// Whether [`flash_attention_backward`](Self::flash_attention_backward) can run this
+    /// problem on this device; `Err` carries the reason.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn::tensor::{DType, Device};
+    /// use burn_flash::{FlashAttentionBackend, FlashAttentionProblem};
+    ///
+    /// fn trains_fused<B: FlashAttentionBackend>(device: &Device<B>) -> bool {
+    ///     let dims = [1, 8, 512, 64];
+    ///     let problem = FlashAttentionProblem::new(dims, dims, dims, DType::F32, true);
+    ///     B::flash_attention_backward_support(device, &problem).is_ok()
+    /// }
+    /// ```
+    fn flash_attention_backward_support(
+        device: &Device<Self>,
+        problem: &FlashAttentionProblem,
+    ) -> Result<(), String>;
+
+    /// Gradients of the fused attention with respect to `q`, `k` and `v`, given the forward's
+    /// `output` and `lse` and the gradient of the output. Recomputes the softmax block by block;
+    /// nothing of size `seq_q × seq_k` is stored. Deterministic (no atomics).
+    ///
+    /// Low level, like [`flash_attention_forward`](Self::flash_attention_forward): the inputs
+    /// must be valid and accepted by
+    /// [`flash_attention_backward_support`](Self::flash_attention_backward_support).
+    ///
+    /// # Example
+    ///
+    /// See [`FlashAttentionGrads`].
+    fn flash_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_output: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionGrads<Self>;
 }

@@ -13,7 +13,9 @@
 //! with `log::warn!`; [`flash_attention_plan`] tells which path a call takes. Invalid inputs
 //! (mismatched shapes, devices or dtypes) are refused with a [`FlashAttentionError`].
 //!
-//! Forward only for now; the fused backward and `Autodiff` support come next.
+//! Under `burn::backend::Autodiff` the fused forward records one node whose backward runs the
+//! fused backward kernels (portable tile for now; tensor-core inputs keep Burn's unfused
+//! attention for training until the tensor-core backward lands).
 //!
 //! # Example
 //!
@@ -36,6 +38,7 @@ mod api;
 mod backend;
 mod backends {
     mod aliases;
+    mod autodiff;
     mod cube;
     mod fusion;
 }
@@ -46,7 +49,9 @@ mod options;
 pub mod testing;
 
 pub use api::{flash_attention, flash_attention_plan, try_flash_attention, FlashAttentionPlan};
-pub use backend::{FlashAttentionBackend, FlashAttentionForward, FlashAttentionProblem};
+pub use backend::{
+    FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
+};
 pub use error::FlashAttentionError;
 pub use kernel::TilePath;
 pub use options::FlashAttentionOptions;

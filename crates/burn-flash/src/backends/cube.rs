@@ -5,7 +5,9 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-use crate::backend::{FlashAttentionBackend, FlashAttentionForward, FlashAttentionProblem};
+use crate::backend::{
+    FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
+};
 use crate::{kernel, FlashAttentionOptions, TilePath};
 
 impl<R, F, I, BT> FlashAttentionBackend for CubeBackend<R, F, I, BT>
@@ -39,5 +41,37 @@ where
         let scale = options.scale_for(head_dim) as f32;
         let (output, lse) = kernel::forward(q, k, v, options.causal, scale);
         FlashAttentionForward { output, lse }
+    }
+
+    fn flash_attention_backward_support(
+        device: &R::Device,
+        problem: &FlashAttentionProblem,
+    ) -> Result<(), String> {
+        if problem.kv_heads != problem.heads {
+            return Err("grouped key/value heads are not supported yet".into());
+        }
+        let client = R::client(device);
+        // Only the portable backward exists: where the forward runs on tensor cores, training
+        // keeps Burn's unfused attention rather than pair it with a slow backward.
+        if kernel::support(&client, problem.dtype, problem.head_dim, problem.value_dim)
+            == Ok(TilePath::TensorCore)
+        {
+            return Err("the tensor-core backward is not written yet".into());
+        }
+        kernel::backward_support(&client, problem.dtype, problem.head_dim, problem.value_dim)
+    }
+
+    fn flash_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_output: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionGrads<Self> {
+        let scale = options.scale_for(q.shape()[3]) as f32;
+        let (q, k, v) = kernel::backward(q, k, v, output, lse, grad_output, options.causal, scale);
+        FlashAttentionGrads { q, k, v }
     }
 }

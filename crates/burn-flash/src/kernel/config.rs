@@ -157,3 +157,39 @@ impl ForwardConfig {
         }
     }
 }
+
+/// Block shapes of the backward launches (portable tile: one unit per owned row).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub struct BackwardConfig {
+    /// Head dim of queries and keys.
+    pub head_dim: usize,
+    /// Head dim of values (and of the output).
+    pub value_dim: usize,
+    /// Rows each cube owns, one per unit: keys in the dK/dV launch, queries in the dQ launch.
+    pub owned_rows: usize,
+    /// Rows of the other side staged in shared memory per step.
+    pub staged_rows: usize,
+    /// Causal mask, aligned bottom-right.
+    pub causal: bool,
+}
+
+impl BackwardConfig {
+    /// 32 owned rows against 16 staged rows: the staged block fits 32 KiB of shared memory in
+    /// f32 up to head dims of 128 + 128.
+    pub fn portable(head_dim: usize, value_dim: usize, causal: bool) -> Self {
+        Self {
+            head_dim,
+            value_dim,
+            owned_rows: 32,
+            staged_rows: 16,
+            causal,
+        }
+    }
+
+    /// Bytes of shared memory the larger of the two launches uses.
+    pub fn shared_bytes(&self, elem_size: usize) -> usize {
+        // dK/dV stages Q and dO rows plus two f32 statistics per row; dQ stages K and V rows.
+        let staged = self.staged_rows * (self.head_dim + self.value_dim) * elem_size;
+        staged + self.staged_rows * 2 * 4
+    }
+}

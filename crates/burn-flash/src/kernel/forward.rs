@@ -260,8 +260,10 @@ fn kv_loop<E: Float, T: AttentionTile<E>>(
             first_row,
             coords.seq_k,
             &mut keys,
+            cfg.block_kv,
             cfg.head_dim,
-            cfg,
+            cfg.units(),
+            cfg.swizzle(),
         );
         load_block::<E>(
             v,
@@ -269,8 +271,10 @@ fn kv_loop<E: Float, T: AttentionTile<E>>(
             first_row,
             coords.seq_k,
             &mut values,
+            cfg.block_kv,
             cfg.value_dim,
-            cfg,
+            cfg.units(),
+            cfg.swizzle(),
         );
         sync_cube();
         attend_block::<E, T>(

@@ -215,7 +215,11 @@ pub fn forward<R: CubeRuntime>(
 }
 
 /// A contiguous output, filled with NaN first when tests asked for poisoned outputs.
-fn output<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+pub(crate) fn output<R: CubeRuntime>(
+    like: &CubeTensor<R>,
+    shape: Shape,
+    dtype: DType,
+) -> CubeTensor<R> {
     let tensor =
         empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype);
     if crate::testing::poison_enabled() && tensor.meta.num_elements() > 0 {

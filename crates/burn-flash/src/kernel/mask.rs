@@ -67,3 +67,52 @@ pub fn apply_mask<E: Float, T: AttentionTile<E>>(
         scores[reg] = select(hidden, neg_inf, scores[reg]);
     }
 }
+
+/// Whether query `query` sees key `key` (absolute rows), out-of-range rows seeing nothing.
+#[cube]
+pub fn key_visible(
+    query: usize,
+    key: usize,
+    seq_q: usize,
+    seq_k: usize,
+    #[comptime] causal: bool,
+) -> bool {
+    let mut visible = query < seq_q && key < seq_k;
+    if comptime!(causal) {
+        visible = visible && key + seq_q <= query + seq_k;
+    }
+    visible
+}
+
+/// End (exclusive) of the keys that queries `[.., q_end)` can see.
+#[cube]
+pub fn visible_key_end(
+    q_end: usize,
+    seq_q: usize,
+    seq_k: usize,
+    #[comptime] causal: bool,
+) -> usize {
+    let mut end = seq_k;
+    if comptime!(causal) {
+        let reach = q_end + seq_k;
+        end = min(select(reach > seq_q, reach - seq_q, 0usize), seq_k);
+    }
+    end
+}
+
+/// First query that can see key `key` (`seq_q` when none can).
+#[cube]
+pub fn first_seeing_query(
+    key: usize,
+    seq_q: usize,
+    seq_k: usize,
+    #[comptime] causal: bool,
+) -> usize {
+    let mut first = 0usize;
+    if comptime!(causal) {
+        // Query i sees key j iff i >= j + seq_q - seq_k.
+        let reach = key + seq_q;
+        first = min(select(reach > seq_k, reach - seq_k, 0usize), seq_q);
+    }
+    first
+}

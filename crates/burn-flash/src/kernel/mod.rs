@@ -1,6 +1,7 @@
 //! The FlashAttention kernels: the algorithm (global / stage levels, online softmax, masking)
 //! written once, over a matrix tile chosen at launch (tensor cores or portable FMAs).
 
+mod backward;
 mod config;
 mod forward;
 mod launch;
@@ -9,6 +10,7 @@ mod softmax;
 mod stage;
 mod tile;
 
+pub use backward::{backward, backward_support};
 pub use launch::{forward, support};
 
 /// Which matrix tile a fused launch uses.

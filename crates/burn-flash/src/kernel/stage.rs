@@ -64,20 +64,23 @@ pub fn copy_block_async<E: Float>(
     }
 }
 
-/// Load rows `[first_row, first_row + block_kv)` of one head of `src` into `stage` with plain
-/// loads; rows at or past `seq_k` are stored as zeros. The caller synchronises the cube.
+/// Load rows `[first_row, first_row + rows)` of one head of `src` into `stage` with plain loads
+/// shared by `units` units; rows at or past `seq` are stored as zeros. The caller synchronises
+/// the cube.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn load_block<E: Float>(
     src: &Tensor<E>,
     head_base: usize,
     first_row: usize,
-    seq_k: usize,
+    seq: usize,
     stage: &mut SharedMemory<E>,
+    #[comptime] rows: usize,
     #[comptime] width: usize,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] units: usize,
+    #[comptime] swizzle: bool,
 ) {
-    let elems = comptime!(cfg.block_kv * width);
-    let units = comptime!(cfg.units());
+    let elems = comptime!(rows * width);
     let row_stride = src.stride(2);
 
     for i in 0..comptime!(elems.div_ceil(units)) {
@@ -87,10 +90,10 @@ pub fn load_block<E: Float>(
             let col = id % width;
             let global_row = first_row + row;
             let mut value = E::new(0.0);
-            if global_row < seq_k {
+            if global_row < seq {
                 value = src[head_base + global_row * row_stride + col];
             }
-            stage[stage_offset(row, col, width, comptime!(cfg.swizzle()))] = value;
+            stage[stage_offset(row, col, width, swizzle)] = value;
         }
     }
 }

@@ -1,0 +1,18 @@
+//! The FlashAttention-2 backward: gradients of `O = softmax(scale · Q·Kᵀ) · V` recomputed block by
+//! block from Q, K, V, the output and the forward's per-row log-sum-exp, never materialising the
+//! `seq_q × seq_k` matrices.
+//!
+//! With `P = exp(scale · S − lse)` and `D = rowsum(dO ∘ O)`:
+//! `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − D)`, `dK = scale · dSᵀ·Q`, `dQ = scale · dS·K`.
+//!
+//! Three launches: [`row_dot`] computes `D`; [`key_value`] owns a block of keys per cube and walks
+//! the query blocks that see it (dK, dV); [`query`] owns a block of queries per cube and walks the
+//! key blocks it sees (dQ). Splitting dQ from dK/dV needs no atomics, so the result is
+//! deterministic.
+
+mod key_value;
+mod launch;
+mod query;
+mod row_dot;
+
+pub use launch::{backward, backward_support};

@@ -1,0 +1,175 @@
+//! The fused backward through `Autodiff<Wgpu>` (f32, the portable kernels) against the f64
+//! reference gradients of `common`, on lavapipe in CI: small shapes, fresh random inputs and
+//! random upstream gradients; every gradient buffer is poisoned with NaN before the kernels run.
+
+#[allow(dead_code)]
+mod common;
+
+use burn::backend::wgpu::WgpuDevice;
+use burn::backend::{Autodiff, Wgpu};
+use burn::tensor::{DType, Tensor};
+use burn_flash::{
+    flash_attention, flash_attention_plan, FlashAttentionOptions, FlashAttentionPlan, TilePath,
+};
+use common::{
+    error, random_normal, reference_attention, reference_grads, to_host, Inputs, Problem,
+};
+
+type B = Autodiff<Wgpu>;
+
+/// Relative tolerance of the f32 gradients. Each gradient is a sum over at most 200 rows of
+/// products of f32 dot products of at most 128 terms, so rounding stays near 1e-6 (measured);
+/// one wrongly masked key out of 200 moves a row by ~5e-3, a wrong scale by O(1).
+const TOLERANCE: f64 = 1e-4;
+
+fn widen(values: &[f32]) -> Vec<f64> {
+    values.iter().map(|&x| x as f64).collect()
+}
+
+fn check(problem: Problem, causal: bool, seed: u64) {
+    let device = WgpuDevice::default();
+    burn_flash::testing::poison_outputs(true);
+    let inputs = Inputs::random(problem, DType::F32, seed);
+    let grad_out = random_normal(
+        problem.out_dims().iter().product(),
+        seed ^ 0xA5A5,
+        DType::F32,
+    );
+    let [q, k, v] = inputs.to_device::<B>(&device).map(|t| t.require_grad());
+    let options = FlashAttentionOptions::new().with_causal(causal);
+    assert_eq!(
+        flash_attention_plan(&q, &k, &v, options).unwrap(),
+        FlashAttentionPlan::Fused(TilePath::Portable),
+        "{problem}: the fused path must run under autodiff"
+    );
+    let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
+    let upstream =
+        common::tensor_from_host::<B>(&grad_out, problem.out_dims(), DType::F32, &device);
+    let grads = (out * upstream).sum().backward();
+
+    let (rq, rk, rv) = reference_grads(
+        &problem,
+        &widen(&inputs.q),
+        &widen(&inputs.k),
+        &widen(&inputs.v),
+        &widen(&grad_out),
+        causal,
+        None,
+    );
+    for (name, tensor, reference, row) in [
+        ("dq", q.grad(&grads), rq, problem.head_dim),
+        ("dk", k.grad(&grads), rk, problem.head_dim),
+        ("dv", v.grad(&grads), rv, problem.value_dim),
+    ] {
+        let got = to_host(tensor.unwrap_or_else(|| panic!("{problem}: no gradient for {name}")));
+        let err = error(&got, &reference, row);
+        assert!(
+            err.finite() && err.relative <= TOLERANCE && err.row_relative <= TOLERANCE,
+            "{problem} causal {causal}: {name} {err:?}"
+        );
+    }
+}
+
+#[test]
+fn gradients_match_reference() {
+    for (problem, causal) in [
+        (Problem::square(1, 1, 1, 64), false),
+        (Problem::square(1, 2, 7, 64), true),
+        (Problem::cross(2, 1, 63, 65, 64), false),
+        (Problem::cross(1, 1, 65, 33, 64), true),
+        (Problem::cross(1, 1, 33, 70, 48), true),
+        (Problem::square(1, 1, 200, 128), true),
+    ] {
+        check(problem, causal, 7 + problem.seq_q as u64);
+    }
+}
+
+/// The f64 reference gradients against central finite differences of the f64 reference forward:
+/// the reference the kernels are held to is itself right.
+#[test]
+fn reference_gradients_match_finite_differences() {
+    let problem = Problem::cross(1, 2, 5, 7, 4);
+    for causal in [false, true] {
+        let inputs = Inputs::random(problem, DType::F32, 3);
+        let (q, k, v) = (widen(&inputs.q), widen(&inputs.k), widen(&inputs.v));
+        let g = widen(&random_normal(
+            problem.out_dims().iter().product(),
+            11,
+            DType::F32,
+        ));
+        let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
+            let (out, _) = reference_attention(&problem, q, k, v, causal, None);
+            out.iter().zip(&g).map(|(o, g)| o * g).sum()
+        };
+        let (dq, dk, dv) = reference_grads(&problem, &q, &k, &v, &g, causal, None);
+        let h = 1e-6;
+        for (which, analytic) in [(0, &dq), (1, &dk), (2, &dv)] {
+            for index in 0..analytic.len() {
+                let mut plus = [q.clone(), k.clone(), v.clone()];
+                let mut minus = plus.clone();
+                plus[which][index] += h;
+                minus[which][index] -= h;
+                let numeric = (loss(&plus[0], &plus[1], &plus[2])
+                    - loss(&minus[0], &minus[1], &minus[2]))
+                    / (2.0 * h);
+                assert!(
+                    (numeric - analytic[index]).abs() <= 1e-6 * (1.0 + numeric.abs()),
+                    "causal {causal} input {which} index {index}: numeric {numeric}, analytic {}",
+                    analytic[index]
+                );
+            }
+        }
+    }
+}
+
+/// A small model (linear projection, then causal self-attention of the projection with itself):
+/// its parameter gradients through the fused op against the f64 reference chained through the
+/// linear layer by hand. (Burn 0.21's own autodiff of `attention_fallback` is not used as the
+/// reference here: on this model its bias gradient is off by ~100 % against the f64 reference
+/// while its output is right; see docs/backward.md.)
+#[test]
+fn model_gradients_match_reference() {
+    use burn::nn::{Linear, LinearConfig};
+    use burn::tensor::Distribution;
+
+    let device = WgpuDevice::default();
+    let (dim, problem) = (32, Problem::square(2, 2, 40, 32));
+    let linear: Linear<B> = LinearConfig::new(dim, dim).init(&device);
+    let x = Tensor::<B, 4>::random(problem.q_dims(), Distribution::Normal(0.0, 1.0), &device);
+    let h = linear.forward(x.clone());
+    let h_host = to_host(h.clone());
+    let out = flash_attention(h.clone(), h.clone(), h, FlashAttentionOptions::causal());
+    let out_host = to_host(out.clone());
+    let grads = out.powi_scalar(2).sum().backward();
+
+    let upstream: Vec<f64> = out_host.iter().map(|o| 2.0 * o).collect();
+    let (dq, dk, dv) = reference_grads(&problem, &h_host, &h_host, &h_host, &upstream, true, None);
+    let x_host = to_host(x);
+    let (mut weight, mut bias) = (vec![0.0; dim * dim], vec![0.0; dim]);
+    for row in 0..x_host.len() / dim {
+        for o in 0..dim {
+            let at = row * dim + o;
+            let dh = dq[at] + dk[at] + dv[at];
+            bias[o] += dh;
+            for i in 0..dim {
+                // Burn's Linear stores its weight as [d_input, d_output].
+                weight[i * dim + o] += x_host[row * dim + i] * dh;
+            }
+        }
+    }
+    for (name, got, reference) in [
+        (
+            "weight",
+            to_host(linear.weight.grad(&grads).unwrap()),
+            weight,
+        ),
+        (
+            "bias",
+            to_host(linear.bias.as_ref().unwrap().grad(&grads).unwrap()),
+            bias,
+        ),
+    ] {
+        let err = error(&got, &reference, dim);
+        assert!(err.finite() && err.relative <= TOLERANCE, "{name}: {err:?}");
+    }
+}
