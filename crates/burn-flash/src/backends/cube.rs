@@ -51,14 +51,8 @@ where
             return Err("grouped key/value heads are not supported yet".into());
         }
         let client = R::client(device);
-        // Only the portable backward exists: where the forward runs on tensor cores, training
-        // keeps Burn's unfused attention rather than pair it with a slow backward.
-        if kernel::support(&client, problem.dtype, problem.head_dim, problem.value_dim)
-            == Ok(TilePath::TensorCore)
-        {
-            return Err("the tensor-core backward is not written yet".into());
-        }
         kernel::backward_support(&client, problem.dtype, problem.head_dim, problem.value_dim)
+            .map(|_tile| ())
     }
 
     fn flash_attention_backward(

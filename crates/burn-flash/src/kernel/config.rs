@@ -1,6 +1,11 @@
-//! Compile-time configuration of the forward kernel: block shapes, plane layout, and the register
-//! layout each tile uses. Every kernel specialises on one [`ForwardConfig`]; nothing else is
-//! comptime.
+//! Compile-time configuration of the kernels: block shapes, plane layout, and the register layout
+//! each tile uses. Every kernel specialises on one [`TileConfig`] (the backward also on which side
+//! it owns); nothing else is comptime.
+//!
+//! A cube *owns* `block_q` rows of one operand, held by its units for the whole launch, and walks
+//! blocks of `block_kv` rows of the other operand *staged* in shared memory. In the forward and in
+//! the dQ launch the owned rows are queries and the staged ones keys/values; the dK/dV launch owns
+//! keys and stages queries.
 
 use super::TilePath;
 
@@ -14,18 +19,20 @@ pub const MMA_K: usize = 16;
 /// of `ldmatrix` rows and of the swizzle.
 pub const CHUNK: usize = 8;
 
-/// Block shapes and layout of one forward launch.
+/// Block shapes and layout of one launch.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub struct ForwardConfig {
+pub struct TileConfig {
     /// Which matrix tile computes the two products.
     pub tile: TilePath,
-    /// Head dim of queries and keys.
+    /// Width of the owned rows and of the staged rows they multiply in the score product
+    /// (the head dim of queries and keys).
     pub head_dim: usize,
-    /// Head dim of values (and of the output).
+    /// Width of the staged rows of the second product and of its accumulators (the head dim of
+    /// values).
     pub value_dim: usize,
-    /// Query rows per cube.
+    /// Owned rows per cube (queries in the forward).
     pub block_q: usize,
-    /// Key/value rows per shared-memory stage.
+    /// Staged rows per shared-memory stage (keys and values in the forward).
     pub block_kv: usize,
     /// Planes per cube (tensor-core tile); the portable tile uses one unit per query row.
     pub planes: usize,
@@ -41,7 +48,7 @@ pub struct ForwardConfig {
     pub causal: bool,
 }
 
-impl ForwardConfig {
+impl TileConfig {
     /// Tensor cores: `planes` planes of `plane_rows` query rows each, `block_kv`-row KV stages
     /// double-buffered.
     pub fn tensor_core(
@@ -77,6 +84,18 @@ impl ForwardConfig {
             plane_rows: 1,
             query_in_smem: false,
             causal,
+        }
+    }
+
+    /// The same blocks and layout for products of other widths: the backward multiplies
+    /// `V·dOᵀ` (both `value_dim` wide) beside `K·Qᵀ`, and accumulates `dS·Q` (`head_dim` wide)
+    /// beside `P·dO`.
+    pub fn with_widths(self, head_dim: usize, value_dim: usize) -> Self {
+        Self {
+            head_dim,
+            value_dim,
+            query_in_smem: self.tile == TilePath::TensorCore && head_dim > 64,
+            ..self
         }
     }
 
@@ -143,6 +162,17 @@ impl ForwardConfig {
         (query + stages * self.block_kv * (self.head_dim + self.value_dim)) * elem_size
     }
 
+    /// Bytes of shared memory one backward cube uses: the forward's, plus the second owned
+    /// operand (values or output gradients), which the tensor-core tile stages too.
+    pub fn backward_shared_bytes(&self, elem_size: usize) -> usize {
+        let second = if self.tile == TilePath::TensorCore {
+            self.block_q * self.value_dim
+        } else {
+            0
+        };
+        self.shared_bytes(elem_size) + second * elem_size
+    }
+
     /// Whether shared-memory rows are stored with their 16-byte chunks XOR-swizzled by row, so
     /// that `ldmatrix` reads of 8 rows hit 8 different bank groups.
     pub fn swizzle(&self) -> bool {
@@ -155,41 +185,5 @@ impl ForwardConfig {
             TilePath::TensorCore => 32 * self.planes,
             TilePath::Portable => self.block_q,
         }
-    }
-}
-
-/// Block shapes of the backward launches (portable tile: one unit per owned row).
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub struct BackwardConfig {
-    /// Head dim of queries and keys.
-    pub head_dim: usize,
-    /// Head dim of values (and of the output).
-    pub value_dim: usize,
-    /// Rows each cube owns, one per unit: keys in the dK/dV launch, queries in the dQ launch.
-    pub owned_rows: usize,
-    /// Rows of the other side staged in shared memory per step.
-    pub staged_rows: usize,
-    /// Causal mask, aligned bottom-right.
-    pub causal: bool,
-}
-
-impl BackwardConfig {
-    /// 32 owned rows against 16 staged rows: the staged block fits 32 KiB of shared memory in
-    /// f32 up to head dims of 128 + 128.
-    pub fn portable(head_dim: usize, value_dim: usize, causal: bool) -> Self {
-        Self {
-            head_dim,
-            value_dim,
-            owned_rows: 32,
-            staged_rows: 16,
-            causal,
-        }
-    }
-
-    /// Bytes of shared memory the larger of the two launches uses.
-    pub fn shared_bytes(&self, elem_size: usize) -> usize {
-        // dK/dV stages Q and dO rows plus two f32 statistics per row; dQ stages K and V rows.
-        let staged = self.staged_rows * (self.head_dim + self.value_dim) * elem_size;
-        staged + self.staged_rows * 2 * 4
     }
 }

@@ -2,13 +2,12 @@
 //! query block once, walks the KV blocks it can see (stopping at the causal diagonal), and writes
 //! the normalised output and the per-row log-sum-exp.
 
-use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::config::ForwardConfig;
+use super::config::TileConfig;
 use super::mask::{apply_mask, block_needs_mask, kv_blocks};
 use super::softmax::{finish, init_stats, online_update, RowStats};
-use super::stage::{copy_block_async, load_block};
+use super::stage::{fetch_stage, load_block, StageBarriers};
 use super::tile::AttentionTile;
 use super::TilePath;
 
@@ -38,7 +37,7 @@ pub fn flash_forward<E: Float, T: AttentionTile<E>>(
     lse: &mut Tensor<f32>,
     scale: f32,
     neg_inf: f32,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] cfg: TileConfig,
     #[define(E)] _dtype: StorageType,
 ) {
     let batch = CUBE_POS_Z as usize;
@@ -104,10 +103,18 @@ fn attend_block<E: Float, T: AttentionTile<E>>(
     scale: f32,
     stats: &mut RowStats,
     acc: &mut Array<f32>,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] cfg: TileConfig,
 ) {
     let mut scores = T::scores(query, keys, stage * cfg.block_kv * cfg.head_dim, cfg);
-    if block_needs_mask(coords.q_start, kv_start, coords.seq_q, coords.seq_k, cfg) {
+    if block_needs_mask(
+        coords.q_start,
+        cfg.block_q,
+        kv_start,
+        cfg.block_kv,
+        coords.seq_q,
+        coords.seq_k,
+        cfg.causal,
+    ) {
         apply_mask::<E, T>(
             &mut scores,
             coords.q_start,
@@ -129,8 +136,7 @@ fn attend_block<E: Float, T: AttentionTile<E>>(
 }
 
 /// Two shared-memory stages filled by asynchronous copies: block `j + 1` is in flight while
-/// block `j` is computed. Stage `s` completes on barrier `s`. The query block loads while the
-/// first KV block is in flight.
+/// block `j` is computed. The query block loads while the first KV block is in flight.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
@@ -142,82 +148,48 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
     scale: f32,
     stats: &mut RowStats,
     acc: &mut Array<f32>,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] cfg: TileConfig,
 ) {
-    let key_stage = comptime!(cfg.block_kv * cfg.head_dim);
-    let value_stage = comptime!(cfg.block_kv * cfg.value_dim);
-    let mut keys = SharedMemory::<E>::new_aligned(2 * key_stage, 16usize);
-    let mut values = SharedMemory::<E>::new_aligned(2 * value_stage, 16usize);
-    let barrier_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let barrier_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let mut keys =
+        SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.head_dim), 16usize);
+    let mut values =
+        SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.value_dim), 16usize);
+    let barriers = StageBarriers::new();
     sync_cube();
 
     if blocks > 0 {
-        copy_block_async::<E>(
+        fetch_stage::<E>(
             k,
             coords.k_base,
-            0,
-            coords.seq_k,
-            &mut keys,
-            0,
-            cfg.block_kv,
-            cfg.head_dim,
-            cfg,
-        );
-        copy_block_async::<E>(
             v,
             coords.v_base,
             0,
             coords.seq_k,
+            &mut keys,
             &mut values,
             0,
-            cfg.block_kv,
-            cfg.value_dim,
+            &barriers,
             cfg,
         );
-        barrier_0.commit_copy_async();
     }
     let query = T::load_query(q, coords.q_base, coords.q_start, coords.seq_q, cfg);
     for block in 0..blocks {
         let stage = block % 2;
-        // Waiting here also proves every unit is done with the other stage (last block's math),
-        // so it may be refilled.
-        if stage == 0 {
-            barrier_0.arrive_and_wait();
-        } else {
-            barrier_1.arrive_and_wait();
-        }
-        let next = block + 1;
-        if next < blocks {
-            let next_stage = 1 - stage;
-            let first_row = next * cfg.block_kv;
-            copy_block_async::<E>(
+        barriers.wait(stage);
+        if block + 1 < blocks {
+            fetch_stage::<E>(
                 k,
                 coords.k_base,
-                first_row,
-                coords.seq_k,
-                &mut keys,
-                next_stage * key_stage,
-                cfg.block_kv,
-                cfg.head_dim,
-                cfg,
-            );
-            copy_block_async::<E>(
                 v,
                 coords.v_base,
-                first_row,
+                (block + 1) * cfg.block_kv,
                 coords.seq_k,
+                &mut keys,
                 &mut values,
-                next_stage * value_stage,
-                cfg.block_kv,
-                cfg.value_dim,
+                1 - stage,
+                &barriers,
                 cfg,
             );
-            if next_stage == 0 {
-                barrier_0.commit_copy_async();
-            } else {
-                barrier_1.commit_copy_async();
-            }
         }
         attend_block::<E, T>(
             &query,
@@ -246,7 +218,7 @@ fn kv_loop<E: Float, T: AttentionTile<E>>(
     scale: f32,
     stats: &mut RowStats,
     acc: &mut Array<f32>,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] cfg: TileConfig,
 ) {
     let query = T::load_query(q, coords.q_base, coords.q_start, coords.seq_q, cfg);
     let mut keys = SharedMemory::<E>::new(cfg.block_kv * cfg.head_dim);

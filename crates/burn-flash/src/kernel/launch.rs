@@ -9,7 +9,7 @@ use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use cubecl::features::{MmaConfig, Plane};
 use cubecl::prelude::*;
 
-use super::config::{ForwardConfig, CHUNK};
+use super::config::{TileConfig, CHUNK};
 use super::forward::flash_forward;
 use super::tile::{MmaTile, PortableTile};
 use super::TilePath;
@@ -20,6 +20,21 @@ const PORTABLE_MAX_DIM: usize = 128;
 /// Decide whether the fused forward can run inputs of this dtype and head dims on this client,
 /// and with which tile. `Err` carries the reason the caller logs before taking the fallback.
 pub fn support<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    dtype: DType,
+    head_dim: usize,
+    value_dim: usize,
+) -> Result<TilePath, String> {
+    let tile = usable_tile(client, dtype, head_dim, value_dim)?;
+    let cfg = forward_config(tile, head_dim, value_dim, false);
+    fits_shared(client, "forward", cfg.shared_bytes(dtype.size()))?;
+    Ok(tile)
+}
+
+/// The tile for this dtype and head dims on this client, shared memory not yet checked: tensor
+/// cores where the device has `mma.sync` m16n8k16 for the dtype (f16, bf16), `ldmatrix`,
+/// asynchronous copies and 32-lane planes; else the portable tile.
+pub(crate) fn usable_tile<R: CubeRuntime>(
     client: &ComputeClient<R>,
     dtype: DType,
     head_dim: usize,
@@ -55,16 +70,8 @@ pub fn support<R: CubeRuntime>(
                 "the tensor-core kernel supports head dims 64 and 128 (q/k {head_dim}, v {value_dim})"
             ));
         }
-        let shared = tensor_core_config(head_dim, value_dim, false).shared_bytes(dtype.size());
-        if shared > props.hardware.max_shared_memory_size {
-            return Err(format!(
-                "the tensor-core kernel needs {shared} bytes of shared memory, the device has {}",
-                props.hardware.max_shared_memory_size
-            ));
-        }
         return Ok(TilePath::TensorCore);
     }
-
     if head_dim == 0
         || value_dim == 0
         || head_dim > PORTABLE_MAX_DIM
@@ -74,57 +81,81 @@ pub fn support<R: CubeRuntime>(
             "the portable kernel supports head dims 1..={PORTABLE_MAX_DIM} (q/k {head_dim}, v {value_dim})"
         ));
     }
-    let shared = ForwardConfig::portable(head_dim, value_dim, false).shared_bytes(dtype.size());
-    if shared > props.hardware.max_shared_memory_size {
+    Ok(TilePath::Portable)
+}
+
+/// `Err` when a `kernel` launch needing `bytes` of shared memory per cube does not fit.
+pub(crate) fn fits_shared<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    kernel: &str,
+    bytes: usize,
+) -> Result<(), String> {
+    let available = client.properties().hardware.max_shared_memory_size;
+    if bytes > available {
         return Err(format!(
-            "the portable kernel needs {shared} bytes of shared memory, the device has {}",
-            props.hardware.max_shared_memory_size
+            "the {kernel} kernel needs {bytes} bytes of shared memory, the device has {available}"
         ));
     }
-    Ok(TilePath::Portable)
+    Ok(())
+}
+
+/// The block shapes of a forward launch on `tile`.
+fn forward_config(tile: TilePath, head_dim: usize, value_dim: usize, causal: bool) -> TileConfig {
+    match tile {
+        TilePath::TensorCore => tensor_core_config(head_dim, value_dim, causal),
+        TilePath::Portable => TileConfig::portable(head_dim, value_dim, causal),
+    }
+}
+
+/// `planes,plane_rows,block_kv` from environment variable `name` (tuning runs), if set and
+/// valid.
+pub(crate) fn shape_override(name: &str) -> Option<(usize, usize, usize)> {
+    let text = std::env::var(name).ok()?;
+    let parts: Vec<usize> = text
+        .split(',')
+        .filter_map(|p| p.trim().parse().ok())
+        .collect();
+    match parts[..] {
+        [planes, rows, kv]
+            if matches!(planes, 1 | 2 | 4 | 8)
+                && matches!(rows, 16 | 32)
+                && matches!(kv, 16 | 32 | 64 | 128) =>
+        {
+            Some((planes, rows, kv))
+        }
+        _ => {
+            log::warn!("ignoring {name}={text:?}: expected planes,rows,kv");
+            None
+        }
+    }
+}
+
+/// Each unit issues the same number of 16-byte copies per stage (owned blocks included).
+pub(crate) fn check_copy_split(cfg: &TileConfig) {
+    for rows_by_width in [
+        cfg.block_q * cfg.head_dim,
+        cfg.block_q * cfg.value_dim,
+        cfg.block_kv * cfg.head_dim,
+        cfg.block_kv * cfg.value_dim,
+    ] {
+        assert_eq!(rows_by_width / CHUNK % cfg.units(), 0, "{cfg:?}");
+    }
 }
 
 /// Block shapes of the tensor-core forward: 4 planes of 32 query rows (128-row query blocks)
 /// over 64-key stages at head dim 64 and 32-key stages at 128, the shapes measured fastest on
 /// the H100 (`docs/perf-notes.md`). `BURN_FLASH_TC_SHAPE=planes,plane_rows,block_kv` overrides
 /// them for tuning runs.
-fn tensor_core_config(head_dim: usize, value_dim: usize, causal: bool) -> ForwardConfig {
+fn tensor_core_config(head_dim: usize, value_dim: usize, causal: bool) -> TileConfig {
     static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
-    let shape = OVERRIDE.get_or_init(|| {
-        std::env::var("BURN_FLASH_TC_SHAPE").ok().and_then(|text| {
-            let parts: Vec<usize> = text
-                .split(',')
-                .filter_map(|p| p.trim().parse().ok())
-                .collect();
-            match parts[..] {
-                [planes, rows, kv]
-                    if matches!(planes, 1 | 2 | 4 | 8)
-                        && matches!(rows, 16 | 32)
-                        && matches!(kv, 32 | 64 | 128) =>
-                {
-                    Some((planes, rows, kv))
-                }
-                _ => {
-                    log::warn!("ignoring BURN_FLASH_TC_SHAPE={text:?}: expected planes,rows,kv");
-                    None
-                }
-            }
-        })
-    });
+    let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_TC_SHAPE"));
     let (planes, plane_rows, block_kv) = shape.unwrap_or(if head_dim <= 64 {
         (4, 32, 64)
     } else {
         (4, 32, 32)
     });
-    let cfg = ForwardConfig::tensor_core(head_dim, value_dim, causal, planes, plane_rows, block_kv);
-    // Each unit issues the same number of 16-byte copies per stage.
-    for rows_by_width in [
-        cfg.block_q * head_dim,
-        cfg.block_kv * head_dim,
-        cfg.block_kv * value_dim,
-    ] {
-        assert_eq!(rows_by_width / CHUNK % cfg.units(), 0, "{cfg:?}");
-    }
+    let cfg = TileConfig::tensor_core(head_dim, value_dim, causal, planes, plane_rows, block_kv);
+    check_copy_split(&cfg);
     cfg
 }
 
@@ -153,16 +184,8 @@ pub fn forward<R: CubeRuntime>(
         return (out, lse);
     }
 
-    let (cfg, cube_dim) = match tile {
-        TilePath::TensorCore => {
-            let cfg = tensor_core_config(head_dim, value_dim, causal);
-            (cfg, CubeDim::new_2d(32, cfg.planes as u32))
-        }
-        TilePath::Portable => {
-            let cfg = ForwardConfig::portable(head_dim, value_dim, causal);
-            (cfg, CubeDim::new_1d(cfg.units() as u32))
-        }
-    };
+    let cfg = forward_config(tile, head_dim, value_dim, causal);
+    let cube_dim = cube_dim(&cfg);
     let cube_count = CubeCount::Static(
         seq_q.div_ceil(cfg.block_q) as u32,
         heads as u32,
@@ -212,6 +235,14 @@ pub fn forward<R: CubeRuntime>(
         }
     }
     (out, lse)
+}
+
+/// Units of a cube: one plane per `cfg.planes` (tensor cores), one unit per owned row (portable).
+pub(crate) fn cube_dim(cfg: &TileConfig) -> CubeDim {
+    match cfg.tile {
+        TilePath::TensorCore => CubeDim::new_2d(32, cfg.planes as u32),
+        TilePath::Portable => CubeDim::new_1d(cfg.units() as u32),
+    }
 }
 
 /// A contiguous output, filled with NaN first when tests asked for poisoned outputs.

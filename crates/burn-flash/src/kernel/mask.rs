@@ -5,41 +5,32 @@
 
 use cubecl::prelude::*;
 
-use super::config::ForwardConfig;
+use super::config::TileConfig;
 use super::tile::AttentionTile;
 
 /// Number of KV blocks the query block starting at `q_start` must visit.
 #[cube]
-pub fn kv_blocks(
-    q_start: usize,
-    seq_q: usize,
-    seq_k: usize,
-    #[comptime] cfg: ForwardConfig,
-) -> usize {
-    let mut kv_end = seq_k;
-    if comptime!(cfg.causal) {
-        // Keys visible to the block's last row: j < last + 1 + seq_k - seq_q, clamped to
-        // [0, seq_k] without going negative in unsigned arithmetic.
-        let q_end = min(q_start + cfg.block_q, seq_q);
-        let reach = q_end + seq_k;
-        kv_end = min(select(reach > seq_q, reach - seq_q, 0usize), seq_k);
-    }
-    kv_end.div_ceil(cfg.block_kv)
+pub fn kv_blocks(q_start: usize, seq_q: usize, seq_k: usize, #[comptime] cfg: TileConfig) -> usize {
+    let q_end = min(q_start + cfg.block_q, seq_q);
+    visible_key_end(q_end, seq_q, seq_k, cfg.causal).div_ceil(cfg.block_kv)
 }
 
-/// Whether some key of the block at `kv_start` is hidden from some query of the query block.
+/// Whether some pair of the `q_rows` queries from `q_start` and the `kv_rows` keys from
+/// `kv_start` is hidden or out of range: only such blocks are masked element by element.
 #[cube]
 pub fn block_needs_mask(
     q_start: usize,
+    #[comptime] q_rows: usize,
     kv_start: usize,
+    #[comptime] kv_rows: usize,
     seq_q: usize,
     seq_k: usize,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] causal: bool,
 ) -> bool {
-    let kv_end = kv_start + cfg.block_kv;
-    let mut needs = kv_end > seq_k;
-    if comptime!(cfg.causal) {
-        // The block's first query row sees keys j < q_start + 1 + seq_k - seq_q.
+    let kv_end = kv_start + kv_rows;
+    let mut needs = kv_end > seq_k || q_start + q_rows > seq_q;
+    if comptime!(causal) {
+        // The block's first query sees keys j < q_start + 1 + seq_k - seq_q.
         needs = needs || kv_end + seq_q > q_start + 1 + seq_k;
     }
     needs
@@ -54,7 +45,7 @@ pub fn apply_mask<E: Float, T: AttentionTile<E>>(
     seq_q: usize,
     seq_k: usize,
     neg_inf: f32,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] cfg: TileConfig,
 ) {
     #[unroll]
     for reg in 0..cfg.score_regs() {

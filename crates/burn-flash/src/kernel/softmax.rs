@@ -7,7 +7,7 @@
 
 use cubecl::prelude::*;
 
-use super::config::ForwardConfig;
+use super::config::TileConfig;
 use super::tile::AttentionTile;
 
 /// Running statistics of the unit's rows, in raw (unscaled) score units for the max.
@@ -20,7 +20,7 @@ pub struct RowStats {
 }
 
 #[cube]
-pub fn init_stats(neg_inf: f32, #[comptime] cfg: ForwardConfig) -> RowStats {
+pub fn init_stats(neg_inf: f32, #[comptime] cfg: TileConfig) -> RowStats {
     let rows = comptime!(cfg.rows_per_unit());
     let mut max = Array::<f32>::new(rows);
     let mut sum = Array::<f32>::new(rows);
@@ -42,7 +42,7 @@ pub fn online_update<E: Float, T: AttentionTile<E>>(
     out: &mut Array<f32>,
     scale: f32,
     neg_inf: f32,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] cfg: TileConfig,
 ) {
     let rows = comptime!(cfg.rows_per_unit());
     let mut block_max = Array::<f32>::new(rows);
@@ -91,7 +91,7 @@ pub fn finish<E: Float, T: AttentionTile<E>>(
     stats: &RowStats,
     scale: f32,
     neg_inf: f32,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] cfg: TileConfig,
 ) -> (Array<f32>, Array<f32>) {
     let rows = comptime!(cfg.rows_per_unit());
     let mut inv_sum = Array::<f32>::new(rows);

@@ -1,10 +1,10 @@
 //! Stage level: key/value blocks staged in shared memory, either by asynchronous 16-byte copies
 //! (tensor-core path, overlapped with the previous block's math) or by plain loads (portable).
 
-use cubecl::prelude::barrier::copy_async_checked;
+use cubecl::prelude::barrier::{copy_async_checked, Barrier};
 use cubecl::prelude::*;
 
-use super::config::{ForwardConfig, CHUNK};
+use super::config::{TileConfig, CHUNK};
 
 /// Offset of element (`row`, `col`) inside one staged block of `width` columns. With swizzle,
 /// 16-byte chunk `c` of row `r` lives at chunk `c ^ (r % 8)`: eight consecutive rows read at the
@@ -37,7 +37,7 @@ pub fn copy_block_async<E: Float>(
     stage_base: usize,
     #[comptime] rows: usize,
     #[comptime] width: usize,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] cfg: TileConfig,
 ) {
     let chunks_per_row = comptime!(width / CHUNK);
     let chunks = comptime!(rows * width / CHUNK);
@@ -61,6 +61,81 @@ pub fn copy_block_async<E: Float>(
             &mut stage.slice_mut(dst, dst + CHUNK),
             CHUNK as u32,
         );
+    }
+}
+
+/// Stage `stage` (0 or 1) of a double-buffered pair of operands: copies of rows
+/// `[first_row, first_row + cfg.block_kv)` of `first` (`cfg.head_dim` wide) and `second`
+/// (`cfg.value_dim` wide) issued asynchronously, completing on that stage's barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn fetch_stage<E: Float>(
+    first: &Tensor<E>,
+    first_base: usize,
+    second: &Tensor<E>,
+    second_base: usize,
+    first_row: usize,
+    seq: usize,
+    first_stages: &mut SharedMemory<E>,
+    second_stages: &mut SharedMemory<E>,
+    stage: usize,
+    barriers: &StageBarriers,
+    #[comptime] cfg: TileConfig,
+) {
+    copy_block_async::<E>(
+        first,
+        first_base,
+        first_row,
+        seq,
+        first_stages,
+        stage * comptime!(cfg.block_kv * cfg.head_dim),
+        cfg.block_kv,
+        cfg.head_dim,
+        cfg,
+    );
+    copy_block_async::<E>(
+        second,
+        second_base,
+        first_row,
+        seq,
+        second_stages,
+        stage * comptime!(cfg.block_kv * cfg.value_dim),
+        cfg.block_kv,
+        cfg.value_dim,
+        cfg,
+    );
+    if stage == 0 {
+        barriers.first.commit_copy_async();
+    } else {
+        barriers.second.commit_copy_async();
+    }
+}
+
+/// One barrier per stage of a double buffer; a stage's copies complete on its barrier.
+#[derive(CubeType)]
+pub struct StageBarriers {
+    first: Shared<Barrier>,
+    second: Shared<Barrier>,
+}
+
+#[cube]
+impl StageBarriers {
+    /// Barriers for the whole cube; the caller synchronises the cube before first use.
+    pub fn new() -> StageBarriers {
+        StageBarriers {
+            first: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+            second: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+        }
+    }
+
+    /// Wait until stage `stage` has landed. Every unit arriving also proves that all are done
+    /// with the other stage's previous contents, so it may be refilled.
+    pub fn wait(&self, stage: usize) {
+        if stage == 0 {
+            self.first.arrive_and_wait();
+        } else {
+            self.second.arrive_and_wait();
+        }
     }
 }
 

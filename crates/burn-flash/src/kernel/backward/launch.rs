@@ -1,5 +1,7 @@
 //! Launch of the backward: which inputs it takes, the grids, the gradient tensors.
 
+use std::sync::OnceLock;
+
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
@@ -8,36 +10,44 @@ use cubecl::prelude::*;
 use super::key_value::key_value_grads;
 use super::query::query_grads;
 use super::row_dot::row_dot;
-use crate::kernel::config::BackwardConfig;
-use crate::kernel::launch::output;
+use crate::kernel::config::TileConfig;
+use crate::kernel::launch::{
+    check_copy_split, cube_dim, fits_shared, output, shape_override, usable_tile,
+};
+use crate::kernel::tile::{MmaTile, PortableTile};
+use crate::kernel::TilePath;
 
-/// Largest head dim the portable backward unrolls (its rows live in registers).
-const MAX_DIM: usize = 128;
-
-/// Whether the fused backward can run inputs of this dtype and head dims on this client.
+/// Whether the fused backward can run inputs of this dtype and head dims on this client, and
+/// with which tile (the same one the forward picks).
 pub fn backward_support<R: CubeRuntime>(
     client: &ComputeClient<R>,
     dtype: DType,
     head_dim: usize,
     value_dim: usize,
-) -> Result<(), String> {
-    let props = client.properties();
-    if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
-        return Err(format!("dtype {dtype:?} is not f16, bf16 or f32"));
+) -> Result<TilePath, String> {
+    let tile = usable_tile(client, dtype, head_dim, value_dim)?;
+    let cfg = backward_config(tile, head_dim, value_dim, false);
+    fits_shared(client, "backward", cfg.backward_shared_bytes(dtype.size()))?;
+    Ok(tile)
+}
+
+/// Block shapes of both backward launches. Tensor cores: 4 planes of 16 owned rows against
+/// 64-row stages (each plane holds two accumulators as wide as the head dim beside its two
+/// score-shaped tiles, so one m16 block per plane); `BURN_FLASH_BWD_SHAPE=planes,rows,kv`
+/// overrides it for tuning runs. Portable: 32 owned rows against 16-row stages, as the forward.
+fn backward_config(tile: TilePath, head_dim: usize, value_dim: usize, causal: bool) -> TileConfig {
+    match tile {
+        TilePath::TensorCore => {
+            static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
+            let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_BWD_SHAPE"));
+            let (planes, plane_rows, block_kv) = shape.unwrap_or((4, 16, 64));
+            let cfg =
+                TileConfig::tensor_core(head_dim, value_dim, causal, planes, plane_rows, block_kv);
+            check_copy_split(&cfg);
+            cfg
+        }
+        TilePath::Portable => TileConfig::portable(head_dim, value_dim, causal),
     }
-    if head_dim == 0 || value_dim == 0 || head_dim > MAX_DIM || value_dim > MAX_DIM {
-        return Err(format!(
-            "the backward supports head dims 1..={MAX_DIM} (q/k {head_dim}, v {value_dim})"
-        ));
-    }
-    let shared = BackwardConfig::portable(head_dim, value_dim, false).shared_bytes(dtype.size());
-    if shared > props.hardware.max_shared_memory_size {
-        return Err(format!(
-            "the backward needs {shared} bytes of shared memory, the device has {}",
-            props.hardware.max_shared_memory_size
-        ));
-    }
-    Ok(())
 }
 
 /// Gradients `(dq, dk, dv)` of the fused attention, from its inputs, its output `out`, its
@@ -68,24 +78,25 @@ pub fn backward<R: CubeRuntime>(
     if batch * heads == 0 {
         return (d_q, d_k, d_v);
     }
-    let cfg = BackwardConfig::portable(head_dim, value_dim, causal);
+    let tile = backward_support(&client, dtype, head_dim, value_dim)
+        .unwrap_or_else(|reason| panic!("fused backward launched on unsupported input: {reason}"));
+    let cfg = backward_config(tile, head_dim, value_dim, causal);
     let address = [&q, &k, &v, &out, &d_out, &d_q, &d_k, &d_v]
         .iter()
         .map(|t| t.required_address_type())
         .max()
         .unwrap_or_default();
     let elem: StorageType = dtype.into();
-    let owned = CubeDim::new_1d(cfg.owned_rows as u32);
     let grid = |rows: usize| {
         CubeCount::Static(
-            rows.div_ceil(cfg.owned_rows) as u32,
+            rows.div_ceil(cfg.block_q) as u32,
             heads as u32,
             batch as u32,
         )
     };
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernels form is
-    // bounded by the tensors' shapes (rows past the ends are clamped or skipped).
+    // bounded by the tensors' shapes (rows past the ends are clamped, zero-filled or skipped).
     unsafe {
         let rows = batch * heads * seq_q;
         if rows > 0 {
@@ -102,42 +113,54 @@ pub fn backward<R: CubeRuntime>(
                 elem,
             );
         }
-        if seq_k > 0 {
-            key_value_grads::launch_unchecked(
-                &client,
-                grid(seq_k),
-                owned,
-                address,
-                q.clone().into_tensor_arg(),
-                k.clone().into_tensor_arg(),
-                v.clone().into_tensor_arg(),
-                d_out.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                delta.clone().into_tensor_arg(),
-                d_k.clone().into_tensor_arg(),
-                d_v.clone().into_tensor_arg(),
-                scale,
-                cfg,
-                elem,
-            );
+        macro_rules! launch_grads {
+            ($tile:ty) => {{
+                if seq_k > 0 {
+                    key_value_grads::launch_unchecked::<$tile, R>(
+                        &client,
+                        grid(seq_k),
+                        cube_dim(&cfg),
+                        address,
+                        q.clone().into_tensor_arg(),
+                        k.clone().into_tensor_arg(),
+                        v.clone().into_tensor_arg(),
+                        d_out.clone().into_tensor_arg(),
+                        lse.clone().into_tensor_arg(),
+                        delta.clone().into_tensor_arg(),
+                        d_k.clone().into_tensor_arg(),
+                        d_v.clone().into_tensor_arg(),
+                        scale,
+                        cfg,
+                        elem,
+                    );
+                }
+                if seq_q > 0 {
+                    query_grads::launch_unchecked::<$tile, R>(
+                        &client,
+                        grid(seq_q),
+                        cube_dim(&cfg),
+                        address,
+                        q.into_tensor_arg(),
+                        k.into_tensor_arg(),
+                        v.into_tensor_arg(),
+                        d_out.into_tensor_arg(),
+                        lse.into_tensor_arg(),
+                        delta.into_tensor_arg(),
+                        d_q.clone().into_tensor_arg(),
+                        scale,
+                        cfg,
+                        elem,
+                    );
+                }
+            }};
         }
-        if seq_q > 0 {
-            query_grads::launch_unchecked(
-                &client,
-                grid(seq_q),
-                owned,
-                address,
-                q.into_tensor_arg(),
-                k.into_tensor_arg(),
-                v.into_tensor_arg(),
-                d_out.into_tensor_arg(),
-                lse.into_tensor_arg(),
-                delta.into_tensor_arg(),
-                d_q.clone().into_tensor_arg(),
-                scale,
-                cfg,
-                elem,
-            );
+        match tile {
+            TilePath::TensorCore => {
+                launch_grads!(MmaTile);
+            }
+            TilePath::Portable => {
+                launch_grads!(PortableTile);
+            }
         }
     }
     (d_q, d_k, d_v)

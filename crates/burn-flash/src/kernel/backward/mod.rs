@@ -8,11 +8,13 @@
 //! Three launches: [`row_dot`] computes `D`; [`key_value`] owns a block of keys per cube and walks
 //! the query blocks that see it (dK, dV); [`query`] owns a block of queries per cube and walks the
 //! key blocks it sees (dQ). Splitting dQ from dK/dV needs no atomics, so the result is
-//! deterministic.
+//! deterministic. Both main launches share [`walk`], which runs on the forward's tile
+//! ([`AttentionTile`](super::tile::AttentionTile)): tensor cores on CUDA, portable FMAs elsewhere.
 
 mod key_value;
 mod launch;
 mod query;
 mod row_dot;
+mod walk;
 
 pub use launch::{backward, backward_support};

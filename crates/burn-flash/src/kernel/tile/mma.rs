@@ -13,7 +13,7 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::AttentionTile;
-use crate::kernel::config::{ForwardConfig, CHUNK, MMA_K, MMA_M, MMA_N};
+use crate::kernel::config::{TileConfig, CHUNK, MMA_K, MMA_M, MMA_N};
 use crate::kernel::stage::{copy_block_async, stage_offset};
 
 /// Two 16-bit values in one 32-bit register, or two f32 accumulators: the MMA register unit.
@@ -92,7 +92,7 @@ fn query_fragment<E: Float>(
     stage: &SharedMemory<E>,
     #[comptime] m: usize,
     #[comptime] step: usize,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] cfg: TileConfig,
 ) -> Array<Pair<E>> {
     let lane = UNIT_POS_X as usize;
     let row = UNIT_POS_Y as usize * cfg.plane_rows + m * MMA_M + lane % 16usize;
@@ -112,7 +112,7 @@ fn query_operand<E: Float>(
     query: &MmaQuery<E>,
     #[comptime] m: usize,
     #[comptime] step: usize,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] cfg: TileConfig,
 ) -> Array<Pair<E>> {
     if comptime!(cfg.query_in_smem) {
         query_fragment::<E>(&query.stage, m, step, cfg)
@@ -128,7 +128,7 @@ fn query_operand<E: Float>(
 fn acc_block_position<E: Float>(
     #[comptime] reg: usize,
     #[comptime] cols: usize,
-    #[comptime] cfg: ForwardConfig,
+    #[comptime] cfg: TileConfig,
 ) -> (usize, usize) {
     let per_block = comptime!(cols / MMA_N * 4);
     let m = comptime!(reg / per_block);
@@ -149,7 +149,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         head_base: usize,
         q_start: usize,
         seq_q: usize,
-        #[comptime] cfg: ForwardConfig,
+        #[comptime] cfg: TileConfig,
     ) -> MmaQuery<E> {
         let mut stage = SharedMemory::<E>::new_aligned(cfg.block_q * cfg.head_dim, 16usize);
         let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
@@ -195,7 +195,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         query: &MmaQuery<E>,
         keys: &SharedMemory<E>,
         stage_base: usize,
-        #[comptime] cfg: ForwardConfig,
+        #[comptime] cfg: TileConfig,
     ) -> Array<f32> {
         let def = definition::<E>();
         let m_tiles = comptime!(cfg.m_tiles());
@@ -264,7 +264,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         values: &SharedMemory<E>,
         stage_base: usize,
         out: &mut Array<f32>,
-        #[comptime] cfg: ForwardConfig,
+        #[comptime] cfg: TileConfig,
     ) {
         let def = definition::<E>();
         let m_tiles = comptime!(cfg.m_tiles());
@@ -323,15 +323,15 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         }
     }
 
-    fn score_position(#[comptime] reg: usize, #[comptime] cfg: ForwardConfig) -> (usize, usize) {
+    fn score_position(#[comptime] reg: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {
         acc_block_position::<E>(reg, cfg.block_kv, cfg)
     }
 
-    fn out_position(#[comptime] reg: usize, #[comptime] cfg: ForwardConfig) -> (usize, usize) {
+    fn out_position(#[comptime] reg: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {
         acc_block_position::<E>(reg, cfg.value_dim, cfg)
     }
 
-    fn slot_row(#[comptime] slot: usize, #[comptime] cfg: ForwardConfig) -> usize {
+    fn slot_row(#[comptime] slot: usize, #[comptime] cfg: TileConfig) -> usize {
         // Slot 2m is row g of m16 block m, slot 2m + 1 row g + 8: accumulator element 0 or 2.
         let (row, _col) = acc_position::<E>(comptime!(slot % 2 * 2));
         UNIT_POS_Y as usize * cfg.plane_rows + comptime!(slot / 2 * MMA_M) + row

@@ -10,7 +10,7 @@ pub use portable::PortableTile;
 
 use cubecl::prelude::*;
 
-use super::config::ForwardConfig;
+use super::config::TileConfig;
 
 /// One unit's share of a query block: its query rows, its score registers for one KV block
 /// (`cfg.score_regs()` of them) and its output accumulators (`cfg.out_regs()`), with the
@@ -28,7 +28,7 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         head_base: usize,
         q_start: usize,
         seq_q: usize,
-        #[comptime] cfg: ForwardConfig,
+        #[comptime] cfg: TileConfig,
     ) -> Self::Query;
 
     /// Raw scores S = Q·Kᵀ of this unit's registers for the K block staged at `stage_base`.
@@ -36,7 +36,7 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         query: &Self::Query,
         keys: &SharedMemory<E>,
         stage_base: usize,
-        #[comptime] cfg: ForwardConfig,
+        #[comptime] cfg: TileConfig,
     ) -> Array<f32>;
 
     /// O += P·V for the V block staged at `stage_base`, P being this unit's score registers.
@@ -45,17 +45,17 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         values: &SharedMemory<E>,
         stage_base: usize,
         out: &mut Array<f32>,
-        #[comptime] cfg: ForwardConfig,
+        #[comptime] cfg: TileConfig,
     );
 
     /// (query row within the block, key column within the KV block) of score register `reg`.
-    fn score_position(#[comptime] reg: usize, #[comptime] cfg: ForwardConfig) -> (usize, usize);
+    fn score_position(#[comptime] reg: usize, #[comptime] cfg: TileConfig) -> (usize, usize);
 
     /// (query row within the block, value column) of output register `reg`.
-    fn out_position(#[comptime] reg: usize, #[comptime] cfg: ForwardConfig) -> (usize, usize);
+    fn out_position(#[comptime] reg: usize, #[comptime] cfg: TileConfig) -> (usize, usize);
 
     /// Query row within the block of the unit's row `slot`.
-    fn slot_row(#[comptime] slot: usize, #[comptime] cfg: ForwardConfig) -> usize;
+    fn slot_row(#[comptime] slot: usize, #[comptime] cfg: TileConfig) -> usize;
 
     /// Whether this unit writes the per-row statistics (one unit per row does).
     fn writes_row_stats() -> bool;

@@ -4,7 +4,7 @@
 use cubecl::prelude::*;
 
 use super::AttentionTile;
-use crate::kernel::config::ForwardConfig;
+use crate::kernel::config::TileConfig;
 use crate::kernel::stage::stage_offset;
 
 /// Register-FMA tile; unit `UNIT_POS` owns query row `UNIT_POS` of the block.
@@ -19,7 +19,7 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         head_base: usize,
         q_start: usize,
         seq_q: usize,
-        #[comptime] cfg: ForwardConfig,
+        #[comptime] cfg: TileConfig,
     ) -> Array<f32> {
         let mut query = Array::<f32>::new(cfg.head_dim);
         let row = q_start + UNIT_POS as usize;
@@ -36,18 +36,22 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         query: &Array<f32>,
         keys: &SharedMemory<E>,
         stage_base: usize,
-        #[comptime] cfg: ForwardConfig,
+        #[comptime] cfg: TileConfig,
     ) -> Array<f32> {
         let mut scores = Array::<f32>::new(cfg.block_kv);
         #[unroll]
         for j in 0..cfg.block_kv {
-            let mut acc = 0.0f32;
+            scores[j] = 0.0;
+        }
+        // The depth loop stays rolled: fully unrolled products make shader compilers (lavapipe's
+        // LLVM above all) take minutes on the backward's four of them.
+        for c in 0..cfg.head_dim {
+            let q = query[c];
             #[unroll]
-            for c in 0..cfg.head_dim {
+            for j in 0..cfg.block_kv {
                 let key = keys[stage_base + stage_offset(j, c, cfg.head_dim, false)];
-                acc += query[c] * f32::cast_from(key);
+                scores[j] += q * f32::cast_from(key);
             }
-            scores[j] = acc;
         }
         scores
     }
@@ -57,28 +61,28 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         values: &SharedMemory<E>,
         stage_base: usize,
         out: &mut Array<f32>,
-        #[comptime] cfg: ForwardConfig,
+        #[comptime] cfg: TileConfig,
     ) {
-        #[unroll]
-        for j in 0..cfg.block_kv {
-            let p = probs[j];
+        for c in 0..cfg.value_dim {
+            let mut acc = 0.0f32;
             #[unroll]
-            for c in 0..cfg.value_dim {
+            for j in 0..cfg.block_kv {
                 let value = values[stage_base + stage_offset(j, c, cfg.value_dim, false)];
-                out[c] += p * f32::cast_from(value);
+                acc += probs[j] * f32::cast_from(value);
             }
+            out[c] += acc;
         }
     }
 
-    fn score_position(#[comptime] reg: usize, #[comptime] _cfg: ForwardConfig) -> (usize, usize) {
+    fn score_position(#[comptime] reg: usize, #[comptime] _cfg: TileConfig) -> (usize, usize) {
         (UNIT_POS as usize, reg)
     }
 
-    fn out_position(#[comptime] reg: usize, #[comptime] _cfg: ForwardConfig) -> (usize, usize) {
+    fn out_position(#[comptime] reg: usize, #[comptime] _cfg: TileConfig) -> (usize, usize) {
         (UNIT_POS as usize, reg)
     }
 
-    fn slot_row(#[comptime] _slot: usize, #[comptime] _cfg: ForwardConfig) -> usize {
+    fn slot_row(#[comptime] _slot: usize, #[comptime] _cfg: TileConfig) -> usize {
         UNIT_POS as usize
     }
 
