@@ -35,6 +35,7 @@ use burn_flash::{
     flash_attention, flash_attention_plan, FlashAttentionBackend, FlashAttentionOptions,
     FlashAttentionPlan, TilePath,
 };
+use common::cuda::{cuda_device, has_tensor_cores};
 use common::{
     error, masked_rows, reference_row, to_host, unfused_attention, unfused_row, unit_roundoff,
     visible_keys, Error, Inputs, Problem,
@@ -48,46 +49,6 @@ const F32_TOLERANCE: f64 = 1e-4;
 /// Slack added to the "twice the fallback's error" rule, so that a fallback error of exactly 0
 /// (e.g. one key per row: both give `v` exactly) does not demand an exact 0 of f32 arithmetic.
 const RULE_FLOOR: f64 = 1e-6;
-
-/// The CUDA device, or `None` (with a `skipping: ...` line on stderr) when there is none.
-fn cuda_device(test: &str) -> Option<CudaDevice> {
-    match burn_flash_suite::cuda_device() {
-        Ok(device) => Some(device),
-        Err(reason) => {
-            if std::env::var_os("BURN_FLASH_REQUIRE_CUDA").is_some() {
-                panic!(
-                    "{test}: BURN_FLASH_REQUIRE_CUDA is set but there is no CUDA device: {reason}"
-                );
-            }
-            // Written to the process's stderr directly, so the line shows even when the test
-            // harness captures output.
-            let _ = writeln!(
-                std::io::stderr(),
-                "{test}: skipping: no CUDA device ({reason})"
-            );
-            None
-        }
-    }
-}
-
-/// Whether this device has what the tensor-core tile needs for `dtype` (m16n8k16 MMA with f32
-/// accumulation, asynchronous copies: SM80 and newer). On such a device, bf16/f16 with head dim
-/// 64 or 128 must run on the tensor cores.
-fn has_tensor_cores(device: &CudaDevice, dtype: DType) -> bool {
-    use cubecl::features::MmaConfig;
-    use cubecl::Runtime;
-    let client = cubecl::cuda::CudaRuntime::client(device);
-    let features = &client.properties().features;
-    let mma = MmaConfig {
-        a_type: dtype.into(),
-        b_type: dtype.into(),
-        cd_type: DType::F32.into(),
-        m: 16,
-        n: 8,
-        k: 16,
-    };
-    features.matmul.mma.contains(&mma) && features.copy_async
-}
 
 /// The path bf16/f16 inputs of this head dim must take on this device.
 fn expected_plan(device: &CudaDevice, dtype: DType, head_dim: usize) -> Expect {

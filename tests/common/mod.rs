@@ -7,6 +7,9 @@
 //! sees the keys `j <= i + (seq_k - seq_q)` (aligned bottom-right, as Burn's
 //! `attention_fallback`); a row that sees no key has output 0 and log-sum-exp `-inf`.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use rand::rngs::StdRng;
@@ -381,6 +384,19 @@ pub fn error(got: &[f64], reference: &[f64], row_len: usize) -> Error {
     }
 }
 
+/// Softmax of one row of scaled scores as Burn's fallback computes it in `dtype`: row max,
+/// subtract, `exp`, row sum, divide, each result rounded.
+fn rounded_softmax(scores: &[f32], dtype: DType) -> Vec<f32> {
+    let round = |x: f32| round_to(x, dtype);
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = scores
+        .iter()
+        .map(|&s| round(round(s - max).exp()))
+        .collect();
+    let sum = round(exps.iter().sum::<f32>());
+    exps.iter().map(|&e| round(e / sum)).collect()
+}
+
 /// Unfused attention of one query row in low precision, emulated on the CPU: the steps of
 /// Burn's `attention_fallback` (`Q·Kᵀ`, `· scale`, mask, row max, subtract, `exp`, row sum,
 /// divide, `P·V`), each result rounded to `dtype` as a tensor of that dtype would hold it, with
@@ -407,13 +423,7 @@ pub fn unfused_row(
             round(round(dot) * round(scale as f32))
         })
         .collect();
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exps: Vec<f32> = scores
-        .iter()
-        .map(|&s| round(round(s - max).exp()))
-        .collect();
-    let sum = round(exps.iter().sum::<f32>());
-    let probs: Vec<f32> = exps.iter().map(|&e| round(e / sum)).collect();
+    let probs = rounded_softmax(&scores, dtype);
     (0..value_dim)
         .map(|c| {
             let acc = probs
@@ -558,4 +568,74 @@ pub fn reference_grads(
         }
     }
     (dq, dk, dvs)
+}
+
+/// Gradients of the unfused attention in low precision, emulated on the CPU: the steps of Burn's
+/// autodiff through `attention_fallback` (`P` as in [`unfused_row`]; `dV = Pᵀ·dO`,
+/// `dP = dO·Vᵀ`, `dS = P ∘ (dP − rowsum(dP ∘ P))`, `dS · scale`, `dQ = dS·K`, `dK = dSᵀ·Q`),
+/// each intermediate rounded to the inputs' dtype, f32 accumulation inside products and sums.
+/// The baseline of the FlashAttention test rule for gradients on small shapes, where running
+/// Burn's own autodiff would cost an autotune per odd length.
+pub fn unfused_grads(
+    inputs: &Inputs,
+    grad_out: &[f32],
+    causal: bool,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let p = &inputs.problem;
+    let dtype = inputs.dtype;
+    let round = |x: f32| round_to(x, dtype);
+    let scale = round((1.0 / (p.head_dim as f64).sqrt()) as f32);
+    let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |acc, (x, y)| acc + x * y);
+    let mut dq = vec![0f32; inputs.q.len()];
+    let mut dk = vec![0f32; inputs.k.len()];
+    let mut dvs = vec![0f32; inputs.v.len()];
+    for bh in 0..p.batch * p.heads {
+        let (qo, ko, vo, go) = (bh * sq * d, bh * sk * d, bh * sk * dv, bh * sq * dv);
+        let q = &inputs.q[qo..qo + sq * d];
+        let k = &inputs.k[ko..ko + sk * d];
+        let v = &inputs.v[vo..vo + sk * dv];
+        let g = &grad_out[go..go + sq * dv];
+        // Rounded dS · scale of the whole head, row-major [sq, sk].
+        let mut ds = vec![0f32; sq * sk];
+        let mut probs = vec![0f32; sq * sk];
+        for i in 0..sq {
+            let visible = visible_keys(i, sq, sk, causal);
+            if visible == 0 {
+                continue;
+            }
+            let q_row = &q[i * d..(i + 1) * d];
+            let scores: Vec<f32> = (0..visible)
+                .map(|j| round(round(dot(q_row, &k[j * d..(j + 1) * d])) * scale))
+                .collect();
+            let row = rounded_softmax(&scores, dtype);
+            let g_row = &g[i * dv..(i + 1) * dv];
+            let dp: Vec<f32> = (0..visible)
+                .map(|j| round(dot(g_row, &v[j * dv..(j + 1) * dv])))
+                .collect();
+            let row_dot = round(row.iter().zip(&dp).map(|(a, b)| round(a * b)).sum::<f32>());
+            for j in 0..visible {
+                probs[i * sk + j] = row[j];
+                ds[i * sk + j] = round(round(row[j] * round(dp[j] - row_dot)) * scale);
+            }
+        }
+        for j in 0..sk {
+            for c in 0..dv {
+                let acc = (0..sq).fold(0f32, |acc, i| acc + probs[i * sk + j] * g[i * dv + c]);
+                dvs[vo + j * dv + c] = round(acc);
+            }
+            for c in 0..d {
+                let acc = (0..sq).fold(0f32, |acc, i| acc + ds[i * sk + j] * q[i * d + c]);
+                dk[ko + j * d + c] = round(acc);
+            }
+        }
+        for i in 0..sq {
+            for c in 0..d {
+                let acc = (0..sk).fold(0f32, |acc, j| acc + ds[i * sk + j] * k[j * d + c]);
+                dq[qo + i * d + c] = round(acc);
+            }
+        }
+    }
+    let widen = |x: Vec<f32>| x.into_iter().map(f64::from).collect();
+    (widen(dq), widen(dk), widen(dvs))
 }

@@ -1,0 +1,344 @@
+//! The fused backward through `Autodiff<Cuda<bf16>>` / `Autodiff<Cuda>` (f16 tensors) against
+//! the f64 reference gradients of `common`, with the FlashAttention test rule of DESIGN.md
+//! section 5 (see [`judge`]): on the same rounded inputs and upstream gradient, each of dq, dk
+//! and dv of the fused path is at most twice as far from the f64 reference as the unfused
+//! path's, and never NaN.
+//!
+//! The unfused baseline is Burn's own autodiff of `attention_fallback` on the FlashAttention-2
+//! benchmark shapes (sampled heads). On the small edge-case shapes it is
+//! `common::unfused_grads`, the same steps emulated on the CPU with the dtype's rounding after
+//! each: Burn's fallback would autotune its matmuls for every odd length.
+//!
+//! Without a CUDA device each test prints `skipping: no CUDA device (...)` and passes, unless
+//! `BURN_FLASH_REQUIRE_CUDA` is set (set it on the GPU machine).
+
+#![cfg(feature = "cuda")]
+
+#[allow(dead_code)]
+mod common;
+
+use std::time::Instant;
+
+use burn::backend::cuda::CudaDevice;
+use burn::backend::{Autodiff, Cuda};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::module::attention_fallback;
+use burn::tensor::{DType, Distribution, Tensor};
+use burn_flash::{
+    flash_attention, flash_attention_plan, FlashAttentionBackend, FlashAttentionOptions,
+    FlashAttentionPlan, TilePath,
+};
+use common::cuda::{cuda_device, has_tensor_cores};
+use common::{
+    error, random_normal, reference_grads, round_to, tensor_from_host, to_host, unfused_grads,
+    unit_roundoff, Error, Inputs, Problem,
+};
+
+/// Slack added to the "twice the baseline" rule on the global relative error so that a baseline
+/// error of exactly 0 does not demand an exact 0 of f32 arithmetic.
+const RULE_FLOOR: f64 = 1e-6;
+
+/// Against gross failure only (the rule above is the criterion): a gradient that went through
+/// two bf16/f16-rounded products (P or dS rounded into the second one) and a difference
+/// `dP − D` that may cancel keeps its global relative error within a few units of roundoff; 16
+/// is far below what one wrong block or a wrong scale produces (O(1)).
+const SANITY_UNITS: f64 = 16.0;
+
+/// FlashAttention's own slack on the max-abs rule (`dq_atol` in its tests): twice the largest
+/// rounding error of `reference + 0.3` in the dtype, i.e. what rounding alone costs on a value
+/// of the gradients' typical size.
+fn rounding_atol(reference: &[f64], dtype: DType) -> f64 {
+    let worst = reference
+        .iter()
+        .map(|&r| ((round_to((r + 0.3) as f32, dtype) as f64 - 0.3) - r).abs())
+        .fold(0.0, f64::max);
+    2.0 * worst
+}
+
+/// The rule for one gradient: max abs error at most twice the unfused one plus
+/// [`rounding_atol`] (FlashAttention's test rule), global relative error at most twice the
+/// unfused one (skipped when the reference is identically 0, e.g. `seq_k = 1`, where a relative
+/// error has no meaning and the unfused path's 0 is an exact cancellation).
+///
+/// The worst-row error is printed but not judged: `D = rowsum(dO ∘ O)` is formed from the
+/// stored, rounded output (as FlashAttention-2 does), which shifts every `dS` of a row by the
+/// same rounding error; on rows whose gradient is small beside `|dO|·|O|` that dominates the
+/// row's relative error, while the unfused path (D from the same rounded P it multiplies) does
+/// not have it. Max abs bounds that error in absolute terms.
+fn judge(dtype: DType, fused: &Error, base: &Error, atol: f64) -> Result<(), String> {
+    if !fused.finite() {
+        return Err(format!("{} non-finite values", fused.non_finite));
+    }
+    if !base.finite() {
+        return Err("the unfused baseline is not finite: nothing to compare with".into());
+    }
+    let mut failures = Vec::new();
+    if fused.max_abs > 2.0 * base.max_abs + atol {
+        failures.push(format!(
+            "max abs error above twice the unfused one + {atol:.1e}"
+        ));
+    }
+    if fused.ref_max > 0.0 {
+        if fused.relative > 2.0 * base.relative + RULE_FLOOR {
+            failures.push("relative error above twice the unfused one".into());
+        }
+        if fused.relative > SANITY_UNITS * unit_roundoff(dtype) {
+            failures.push("relative error above the sanity bound".into());
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("; "))
+    }
+}
+
+/// Fused gradients of `sum(upstream ∘ attention(q, k, v))` on backend `B`, after checking that
+/// the fused tensor-core path (or the portable one, on a GPU without SM80 MMAs) runs.
+fn fused_grads<B: FlashAttentionBackend + AutodiffBackend>(
+    device: &B::Device,
+    label: &str,
+    [q, k, v]: [Tensor<B, 4>; 3],
+    upstream: Tensor<B, 4>,
+    causal: bool,
+    expect: TilePath,
+) -> Result<[Tensor<B, 4>; 3], String> {
+    let [q, k, v] = [q, k, v].map(|t| t.require_grad());
+    let options = FlashAttentionOptions::new().with_causal(causal);
+    let plan = flash_attention_plan(&q, &k, &v, options).map_err(|e| format!("{label}: {e}"))?;
+    if plan != FlashAttentionPlan::Fused(expect) {
+        return Err(format!("{label}: plan is {plan}, expected {expect:?}"));
+    }
+    let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
+    let grads = (out * upstream).sum().backward();
+    let grad = |t: &Tensor<B, 4>| {
+        t.grad(&grads)
+            .map(Tensor::<B, 4>::from_inner)
+            .ok_or(format!("{label}: a gradient is missing"))
+    };
+    B::sync(device).map_err(|e| format!("{label}: {e:?}"))?;
+    Ok([grad(&q)?, grad(&k)?, grad(&v)?])
+}
+
+/// The tile bf16/f16 must run on this GPU.
+fn expected_tile(device: &CudaDevice, dtype: DType) -> TilePath {
+    if has_tensor_cores(device, dtype) {
+        TilePath::TensorCore
+    } else {
+        TilePath::Portable
+    }
+}
+
+/// Judge dq, dk, dv; print every error.
+fn judge_all(
+    label: &str,
+    dtype: DType,
+    fused: [&[f64]; 3],
+    base: [&[f64]; 3],
+    reference: [&[f64]; 3],
+    rows: [usize; 3],
+) -> Vec<String> {
+    let mut failures = Vec::new();
+    for (i, name) in ["dq", "dk", "dv"].into_iter().enumerate() {
+        let fused_err = error(fused[i], reference[i], rows[i]);
+        let base_err = error(base[i], reference[i], rows[i]);
+        let verdict = judge(
+            dtype,
+            &fused_err,
+            &base_err,
+            rounding_atol(reference[i], dtype),
+        );
+        eprintln!(
+            "{label}: {name}: fused {fused_err}; unfused {base_err}{}",
+            if verdict.is_ok() { "" } else { " FAILED" }
+        );
+        if let Err(why) = verdict {
+            failures.push(format!(
+                "{label}: {name}: {why}: fused {fused_err}; unfused {base_err}"
+            ));
+        }
+    }
+    failures
+}
+
+fn small_problems() -> Vec<(Problem, bool)> {
+    [
+        Problem::square(1, 1, 1, 64),
+        Problem::square(2, 3, 7, 64),
+        Problem::square(1, 2, 63, 64),
+        Problem::square(1, 3, 65, 64),
+        Problem::square(1, 2, 200, 64),
+        Problem::cross(1, 2, 7, 65, 64),
+        Problem::cross(2, 1, 65, 7, 64),
+        Problem::cross(1, 1, 1, 200, 64),
+        Problem::cross(1, 1, 200, 1, 64),
+        Problem::square(1, 2, 65, 128),
+        Problem::cross(1, 1, 7, 65, 128),
+        Problem::cross(2, 1, 65, 130, 128),
+        Problem::square(1, 2, 200, 128),
+    ]
+    .into_iter()
+    .flat_map(|p| [(p, false), (p, true)])
+    .collect()
+}
+
+fn check_small<B: FlashAttentionBackend<Device = CudaDevice> + AutodiffBackend>(
+    test: &str,
+    dtype: DType,
+    first_seed: u64,
+) {
+    let Some(device) = cuda_device(test) else {
+        return;
+    };
+    burn_flash::testing::poison_outputs(true);
+    let expect = expected_tile(&device, dtype);
+    let mut failures = Vec::new();
+    for (index, (problem, causal)) in small_problems().into_iter().enumerate() {
+        let seed = first_seed + index as u64;
+        let label = format!("{dtype:?} {problem} causal {causal} seed {seed}");
+        let started = Instant::now();
+        let inputs = Inputs::random(problem, dtype, seed);
+        let upstream = random_normal(problem.out_dims().iter().product(), seed ^ 0x5EED, dtype);
+        let grads = fused_grads::<B>(
+            &device,
+            &label,
+            inputs.to_device::<B>(&device),
+            tensor_from_host::<B>(&upstream, problem.out_dims(), dtype, &device),
+            causal,
+            expect,
+        );
+        let [dq, dk, dv] = match grads {
+            Ok(grads) => grads.map(to_host),
+            Err(why) => {
+                failures.push(why);
+                continue;
+            }
+        };
+        let widen = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
+        let (rq, rk, rv) = reference_grads(
+            &problem,
+            &widen(&inputs.q),
+            &widen(&inputs.k),
+            &widen(&inputs.v),
+            &widen(&upstream),
+            causal,
+            None,
+        );
+        let (bq, bk, bv) = unfused_grads(&inputs, &upstream, causal);
+        eprintln!("{label}: call {:.2?}", started.elapsed());
+        failures.extend(judge_all(
+            &label,
+            dtype,
+            [&dq, &dk, &dv],
+            [&bq, &bk, &bv],
+            [&rq, &rk, &rv],
+            [problem.head_dim, problem.head_dim, problem.value_dim],
+        ));
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// bf16 gradients on `Autodiff<Cuda<bf16>>`, small and odd shapes.
+#[test]
+fn small_shapes_bf16() {
+    check_small::<Autodiff<Cuda<half::bf16>>>("small_shapes_bf16", DType::BF16, 100);
+}
+
+/// f16 tensors on `Autodiff<Cuda>`, small and odd shapes.
+#[test]
+fn small_shapes_f16() {
+    check_small::<Autodiff<Cuda>>("small_shapes_f16", DType::F16, 200);
+}
+
+/// FlashAttention-2 benchmark shapes (16k tokens, hidden 2048) at n = 2048, bf16, against Burn's
+/// own autodiff of `attention_fallback` on the same inputs; the f64 reference covers two sampled
+/// (batch, head) pairs (a full one would take minutes of CPU), the whole fused gradients are
+/// checked for NaN/inf.
+#[test]
+fn benchmark_shapes_bf16() {
+    type B = Autodiff<Cuda<half::bf16>>;
+    let Some(device) = cuda_device("benchmark_shapes_bf16") else {
+        return;
+    };
+    burn_flash::testing::poison_outputs(true);
+    let dtype = DType::BF16;
+    let n = 2048;
+    let mut failures = Vec::new();
+    for (index, (head_dim, causal)) in [(64, false), (64, true), (128, false), (128, true)]
+        .into_iter()
+        .enumerate()
+    {
+        let (batch, heads) = (16384 / n, 2048 / head_dim);
+        let label = format!("{dtype:?} b {batch} h {heads} n {n} d {head_dim} causal {causal}");
+        let started = Instant::now();
+        B::seed(&device, 40 + index as u64);
+        let dims = [batch, heads, n, head_dim];
+        let random =
+            || Tensor::<B, 4>::random(dims, Distribution::Normal(0.0, 1.0), (&device, dtype));
+        let (q, k, v, upstream) = (random(), random(), random(), random());
+        let fused = match fused_grads::<B>(
+            &device,
+            &label,
+            [q.clone(), k.clone(), v.clone()],
+            upstream.clone(),
+            causal,
+            expected_tile(&device, dtype),
+        ) {
+            Ok(grads) => grads,
+            Err(why) => {
+                failures.push(why);
+                continue;
+            }
+        };
+        let fused_time = started.elapsed();
+        for (name, grad) in ["dq", "dk", "dv"].iter().zip(&fused) {
+            let bad = grad.clone().is_nan().int().sum() + grad.clone().is_inf().int().sum();
+            let bad = bad.into_scalar();
+            if bad != 0 {
+                failures.push(format!("{label}: {name}: {bad} NaN/inf values"));
+            }
+        }
+
+        let [uq, uk, uv] = [q.clone(), k.clone(), v.clone()].map(|t| t.require_grad());
+        let options = FlashAttentionOptions::new().with_causal(causal);
+        let out = attention_fallback(
+            uq.clone(),
+            uk.clone(),
+            uv.clone(),
+            None,
+            None,
+            options.into(),
+        );
+        let grads = (out * upstream.clone()).sum().backward();
+        let unfused = [&uq, &uk, &uv].map(|t| Tensor::<B, 4>::from_inner(t.grad(&grads).unwrap()));
+
+        let problem = Problem::square(1, 1, n, head_dim);
+        for (b, h) in [(0, 0), (batch - 1, heads - 1)] {
+            let head = |t: &Tensor<B, 4>| to_host(t.clone().slice([b..b + 1, h..h + 1]));
+            let (rq, rk, rv) = reference_grads(
+                &problem,
+                &head(&q),
+                &head(&k),
+                &head(&v),
+                &head(&upstream),
+                causal,
+                None,
+            );
+            let [fq, fk, fv] = fused.each_ref().map(head);
+            let [bq, bk, bv] = unfused.each_ref().map(head);
+            failures.extend(judge_all(
+                &format!("{label} head ({b}, {h})"),
+                dtype,
+                [&fq, &fk, &fv],
+                [&bq, &bk, &bv],
+                [&rq, &rk, &rv],
+                [head_dim; 3],
+            ));
+        }
+        eprintln!(
+            "{label}: fused {fused_time:.2?} (first call compiles), total {:.2?}",
+            started.elapsed()
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
