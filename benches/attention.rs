@@ -1,6 +1,8 @@
-//! Forward attention timings: `burn-flash` (this crate's fused op) against Burn's own
-//! `attention_fallback` (`burn-unfused`) and `attention` (`burn-builtin`), as CSV on stdout with
-//! the columns of `../shared/tools/torch_sdpa_bench.py`, so both tables can be joined:
+//! Attention timings: `burn-flash` (this crate's fused op) against Burn's own
+//! `attention_fallback` (`burn-unfused`) and `attention` (`burn-builtin`), forward (`fwd`) and
+//! forward + backward through `Autodiff` (`fwdbwd`: one call, then `backward()` of its output),
+//! as CSV on stdout with the columns of `../shared/tools/torch_sdpa_bench.py`, so both tables can
+//! be joined:
 //!
 //! ```text
 //! impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops
@@ -14,21 +16,28 @@
 //! Method: a first call (compilation, autotune) and `--warmup` more calls are not timed; then
 //! `--iters` calls, each synchronised with the device and timed alone, rotating between
 //! `--sets` independent input sets so no call finds its inputs in cache; the median is reported.
-//! TFLOPS counts `4·b·h·n²·d`, halved when causal. A call slower than `--budget-ms` skips the
+//! TFLOPS counts `4·b·h·n²·d`, halved when causal, times 3.5 for `fwdbwd`. A call slower than `--budget-ms` skips the
 //! row with a `#` comment line, and so do the longer lengths of that implementation (also when
 //! the last length's time, scaled by the FLOPs, predicts a call over the budget: a first call,
-//! with its autotune, cannot be interrupted); a call that fails prints an `error` row.
+//! with its autotune, cannot be interrupted); a call that fails prints its row with `nan`
+//! times and the error as a comment.
 //!
 //! ```text
 //! cargo bench --features cuda --bench attention -- --d 64,128 --n 1024,4096 --causal both
 //! ```
+//!
+//! `--memory` (CUDA) instead runs one training step (forward + backward of `--impls`' first
+//! implementation) per length and prints the device memory CubeCL's pools hold afterwards
+//! (`bytes_reserved`, the high-water mark of the step: pools keep their pages) and what is
+//! still allocated (`bytes_in_use`). Run one length per process for clean figures.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use burn::backend::wgpu::WgpuDevice;
-use burn::backend::Wgpu;
+use burn::backend::{Autodiff, Wgpu};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::{DType, Distribution, Tensor};
 use burn_flash::{
@@ -39,7 +48,7 @@ const USAGE: &str = "\
 usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--causal both|true|false]
                  [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
                  [--backend auto|cuda|wgpu] [--iters N] [--warmup N] [--sets N]
-                 [--budget-ms MS] [--row-seconds S] [--modes fwd]
+                 [--budget-ms MS] [--row-seconds S] [--modes fwd,fwdbwd] [--memory]
 --b / --h: 0 (default) means 16384 / n and 2048 / d on CUDA (the FlashAttention-2 shapes),
            1024 / n and 256 / d on wgpu.";
 
@@ -60,6 +69,8 @@ struct Args {
     sets: usize,
     budget_ms: Option<f64>,
     row_seconds: f64,
+    modes: Vec<String>,
+    memory: bool,
 }
 
 fn list(value: &str) -> Vec<usize> {
@@ -94,6 +105,8 @@ fn parse_args() -> Args {
         sets: 3,
         budget_ms: None,
         row_seconds: 20.0,
+        modes: vec!["fwd".into()],
+        memory: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -104,6 +117,10 @@ fn parse_args() -> Args {
         if flag == "--help" || flag == "-h" {
             println!("{USAGE}");
             std::process::exit(0);
+        }
+        if flag == "--memory" {
+            args.memory = true;
+            continue;
         }
         let value = it
             .next()
@@ -151,8 +168,13 @@ fn parse_args() -> Args {
             "--budget-ms" => args.budget_ms = Some(number(&value)),
             "--row-seconds" => args.row_seconds = number(&value),
             "--modes" => {
-                if value != "fwd" {
-                    fail("only --modes fwd is measured for now (the fused backward comes next)");
+                args.modes = value.split(',').map(str::to_string).collect();
+                if args
+                    .modes
+                    .iter()
+                    .any(|m| !matches!(m.as_str(), "fwd" | "fwdbwd"))
+                {
+                    fail("--modes takes fwd, fwdbwd or both");
                 }
             }
             _ => fail(&format!("unknown flag {flag}")),
@@ -211,26 +233,47 @@ fn median_ms(times: &mut [Duration]) -> f64 {
     }
 }
 
-/// One call of an implementation on input set `set`, synchronised; returns its wall time.
+/// One forward call of implementation `name`.
+fn forward<B: FlashAttentionBackend>(
+    name: &str,
+    [q, k, v]: [Tensor<B, 4>; 3],
+    options: FlashAttentionOptions,
+) -> Tensor<B, 4> {
+    match name {
+        "burn-flash" => flash_attention(q, k, v, options),
+        "burn-unfused" => attention_fallback(q, k, v, None, None, options.into()),
+        "burn-builtin" => attention(q, k, v, None, None, options.into()),
+        _ => unreachable!("impls are checked when parsing"),
+    }
+}
+
+/// One training step of attention: the forward of `name` on inputs that require gradients,
+/// then `backward()` of its output (all-ones upstream gradient).
+fn forward_backward<B: FlashAttentionBackend + AutodiffBackend>(
+    name: &str,
+    inputs: [Tensor<B, 4>; 3],
+    options: FlashAttentionOptions,
+) {
+    let out = forward(name, inputs.map(Tensor::require_grad), options);
+    let _grads = out.backward();
+}
+
+/// What one timed call runs: [`forward`] or [`forward_backward`].
+type Call<B> = fn(&str, [Tensor<B, 4>; 3], FlashAttentionOptions);
+
+/// One call on input set `set`, synchronised; returns its wall time.
 fn timed_call<B: FlashAttentionBackend>(
     device: &B::Device,
+    call: Call<B>,
     name: &str,
     inputs: &[[Tensor<B, 4>; 3]],
     set: usize,
     options: FlashAttentionOptions,
 ) -> Duration {
-    let [q, k, v] = inputs[set % inputs.len()].clone();
     let start = Instant::now();
-    let out = match name {
-        "burn-flash" => flash_attention(q, k, v, options),
-        "burn-unfused" => attention_fallback(q, k, v, None, None, options.into()),
-        "burn-builtin" => attention(q, k, v, None, None, options.into()),
-        _ => unreachable!("impls are checked when parsing"),
-    };
+    call(name, inputs[set % inputs.len()].clone(), options);
     B::sync(device).expect("device sync");
-    let elapsed = start.elapsed();
-    drop(out);
-    elapsed
+    start.elapsed()
 }
 
 /// How the last row of an (impl, d, causal) series went, to predict the next, longer one.
@@ -244,8 +287,14 @@ enum Outcome {
     Failed,
 }
 
-fn run<B: FlashAttentionBackend>(device: B::Device, args: &Args, s: &Settings) {
-    println!("impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops");
+/// Time every shape of `s` in `mode` ("fwd" or "fwdbwd", run by `call`).
+fn run<B: FlashAttentionBackend>(
+    device: B::Device,
+    args: &Args,
+    s: &Settings,
+    mode: &str,
+    call: Call<B>,
+) {
     let mut last: HashMap<(String, usize, bool), Outcome> = HashMap::new();
     for &d in &s.d {
         for &n in &s.n {
@@ -270,7 +319,9 @@ fn run<B: FlashAttentionBackend>(device: B::Device, args: &Args, s: &Settings) {
                 .collect();
             for &causal in &args.causal {
                 let options = FlashAttentionOptions::new().with_causal(causal);
-                let flops = 4.0 * (b * h * n * n * d) as f64 / if causal { 2.0 } else { 1.0 };
+                let forward_flops =
+                    4.0 * (b * h * n * n * d) as f64 / if causal { 2.0 } else { 1.0 };
+                let flops = forward_flops * if mode == "fwdbwd" { 3.5 } else { 1.0 };
                 let prefix = format!(
                     "{},{b},{h},{h},{n},{d},{}",
                     dtype_name(s.dtype),
@@ -296,14 +347,14 @@ fn run<B: FlashAttentionBackend>(device: B::Device, args: &Args, s: &Settings) {
                     let budget_ms = s.budget.as_secs_f64() * 1e3;
                     match last.get(&key) {
                         Some(Outcome::OverBudget) => {
-                            println!("# {row},fwd skipped: over the budget at a shorter length");
+                            println!("# {row},{mode} skipped: over the budget at a shorter length");
                             continue;
                         }
                         Some(&Outcome::Timed { ms, flops: before }) => {
                             let predicted = ms * flops / before;
                             if predicted > budget_ms {
                                 println!(
-                                    "# {row},fwd skipped: {predicted:.0} ms per call predicted \
+                                    "# {row},{mode} skipped: {predicted:.0} ms per call predicted \
                                      from the shorter length, over the budget of {budget_ms:.0} ms"
                                 );
                                 last.insert(key, Outcome::OverBudget);
@@ -312,7 +363,9 @@ fn run<B: FlashAttentionBackend>(device: B::Device, args: &Args, s: &Settings) {
                         }
                         _ => {}
                     }
-                    let outcome = measure(&device, name, &row, &inputs, options, flops, s, args);
+                    let row = format!("{row},{mode}");
+                    let outcome =
+                        measure(&device, call, name, &row, &inputs, options, flops, s, args);
                     last.insert(key, outcome);
                 }
             }
@@ -324,6 +377,7 @@ fn run<B: FlashAttentionBackend>(device: B::Device, args: &Args, s: &Settings) {
 #[allow(clippy::too_many_arguments)]
 fn measure<B: FlashAttentionBackend>(
     device: &B::Device,
+    call: Call<B>,
     name: &str,
     row: &str,
     inputs: &[[Tensor<B, 4>; 3]],
@@ -334,9 +388,9 @@ fn measure<B: FlashAttentionBackend>(
 ) -> Outcome {
     let result = catch_unwind(AssertUnwindSafe(|| {
         // First call: compilation and autotune, not timed against the budget.
-        let first = timed_call(device, name, inputs, 0, options);
+        let first = timed_call(device, call, name, inputs, 0, options);
         eprintln!("{row}: first call {first:.2?}");
-        let probe = timed_call(device, name, inputs, 1, options);
+        let probe = timed_call(device, call, name, inputs, 1, options);
         if probe > s.budget {
             return Err(format!(
                 "one call took {:.1} ms, over the budget of {:.0} ms",
@@ -345,13 +399,13 @@ fn measure<B: FlashAttentionBackend>(
             ));
         }
         for i in 1..s.warmup {
-            timed_call(device, name, inputs, i + 1, options);
+            timed_call(device, call, name, inputs, i + 1, options);
         }
         // Keep the row under `row_seconds`, with at least 3 timed calls.
         let affordable = (args.row_seconds / probe.as_secs_f64().max(1e-6)) as usize;
         let iters = s.iters.min(affordable.max(3));
         let mut times: Vec<Duration> = (0..iters)
-            .map(|i| timed_call(device, name, inputs, i, options))
+            .map(|i| timed_call(device, call, name, inputs, i, options))
             .collect();
         Ok((median_ms(&mut times), iters))
     }));
@@ -360,16 +414,16 @@ fn measure<B: FlashAttentionBackend>(
             let tflops = flops / ms / 1e9;
             // One decimal as torch_sdpa_bench.py prints; more where it would read 0.0 (a CPU).
             let digits = if tflops < 1.0 { 4 } else { 1 };
-            println!("{row},fwd,{ms:.4},{tflops:.digits$}");
+            println!("{row},{ms:.4},{tflops:.digits$}");
             eprintln!("{row}: median of {iters} calls");
             Outcome::Timed { ms, flops }
         }
         Ok(Err(skip)) => {
-            println!("# {row},fwd skipped: {skip}");
+            println!("# {row} skipped: {skip}");
             Outcome::OverBudget
         }
         Err(payload) => {
-            println!("{row},error,nan,nan  # {}", panic_text(payload));
+            println!("{row},nan,nan  # error: {}", panic_text(payload));
             Outcome::Failed
         }
     }
@@ -408,6 +462,63 @@ fn settings(args: &Args, cuda: bool) -> Settings {
     }
 }
 
+/// Every requested mode on backend `B` (its `Autodiff` for `fwdbwd`).
+fn run_modes<B: FlashAttentionBackend>(device: B::Device, args: &Args, s: &Settings)
+where
+    Autodiff<B>: FlashAttentionBackend<Device = B::Device>,
+{
+    println!("impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops");
+    for mode in &args.modes {
+        match mode.as_str() {
+            "fwd" => run::<B>(device.clone(), args, s, mode, |name, inputs, options| {
+                forward(name, inputs, options);
+            }),
+            _ => run::<Autodiff<B>>(device.clone(), args, s, mode, forward_backward),
+        }
+    }
+}
+
+/// `--memory`: one training step per length of the first implementation, and the memory the
+/// CUDA device's pools hold afterwards.
+#[cfg(feature = "cuda")]
+fn memory(device: burn::backend::cuda::CudaDevice, args: &Args, s: &Settings) {
+    use cubecl::Runtime;
+    type B = Autodiff<burn::backend::Cuda>;
+    let name = args.impls[0].as_str();
+    println!("impl,dtype,b,h,n,d,causal,bytes_reserved,bytes_in_use");
+    for &d in &s.d {
+        for &n in &s.n {
+            for &causal in &args.causal {
+                let (b, h) = (args.b.max(1), args.h.max(1));
+                let dims = [b, h, n, d];
+                let inputs = [(); 3].map(|_| {
+                    Tensor::<B, 4>::random(dims, Distribution::Normal(0.0, 1.0), (&device, s.dtype))
+                });
+                let options = FlashAttentionOptions::new().with_causal(causal);
+                let row = format!(
+                    "{name},{},{b},{h},{n},{d},{}",
+                    dtype_name(s.dtype),
+                    py_bool(causal)
+                );
+                let step = catch_unwind(AssertUnwindSafe(|| {
+                    forward_backward::<B>(name, inputs, options);
+                    <B as burn::tensor::backend::Backend>::sync(&device).expect("device sync");
+                }));
+                let client = cubecl::cuda::CudaRuntime::client(&device);
+                match (step, client.memory_usage()) {
+                    (Ok(()), Ok(usage)) => {
+                        println!("{row},{},{}", usage.bytes_reserved, usage.bytes_in_use)
+                    }
+                    (Err(payload), _) => {
+                        println!("{row},nan,nan  # error: {}", panic_text(payload))
+                    }
+                    (Ok(()), Err(e)) => println!("{row},nan,nan  # memory usage: {e:?}"),
+                }
+            }
+        }
+    }
+}
+
 fn main() {
     let args = parse_args();
 
@@ -417,7 +528,11 @@ fn main() {
             Ok(device) => {
                 eprintln!("backend: CUDA ({device:?})");
                 let s = settings(&args, true);
-                run::<burn::backend::Cuda>(device, &args, &s);
+                if args.memory {
+                    memory(device, &args, &s);
+                } else {
+                    run_modes::<burn::backend::Cuda>(device, &args, &s);
+                }
                 return;
             }
             Err(reason) if args.backend == "cuda" => fail(&format!("no CUDA device: {reason}")),
@@ -428,9 +543,12 @@ fn main() {
     if args.backend == "cuda" {
         fail("built without the `cuda` feature: cargo bench --features cuda");
     }
+    if args.memory {
+        fail("--memory measures a CUDA device");
+    }
 
     let device = WgpuDevice::default();
     eprintln!("backend: wgpu ({device:?}); small shapes by default");
     let s = settings(&args, false);
-    run::<Wgpu>(device, &args, &s);
+    run_modes::<Wgpu>(device, &args, &s);
 }

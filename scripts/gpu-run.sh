@@ -3,9 +3,10 @@
 # scripts/pack-gpu.sh left in .gpu/. Everything it measures goes under $OUT.
 #
 #   scripts/gpu-run.sh tests   # CUDA tests (fail loudly without a device)
-#   scripts/gpu-run.sh sources # dump the fused kernels' generated CUDA source
+#   scripts/gpu-run.sh sources # dump the fused kernels' generated CUDA source (forward, backward)
 #   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV
 #   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
+#   scripts/gpu-run.sh memory  # one training step per impl and length (b1 h16 d128), one process each
 #
 # Several stages may be given; they run in order.
 set -uo pipefail
@@ -32,18 +33,22 @@ for stage in "$@"; do
   sources)
     # The fused kernels' generated CUDA source, for register/spill checks where ptxas is.
     CUBECL_DEBUG_LOG="$OUT/cubecl.log" .gpu/bench-attention --impls burn-flash --d "$BENCH_D" \
-      --n 256 --iters 1 --warmup 0 --causal both >/dev/null 2>&1
+      --n 256 --iters 1 --warmup 0 --causal both --modes fwd,fwdbwd >/dev/null 2>&1
     python3 - "$OUT/cubecl.log" "$OUT" <<'EOF'
 import re, sys, pathlib
 log = pathlib.Path(sys.argv[1]).read_text(errors="replace")
 out = pathlib.Path(sys.argv[2])
 blocks = re.findall(r"\[START_KERNEL_COMPILATION\](.*?)\[END_KERNEL_COMPILATION\]", log, re.S)
-fused = [b for b in blocks if "flash_forward" in b and "__global__" in b]
-for n, block in enumerate(fused):
+count = {}
+for block in blocks:
+    name = next((k for k in ("flash_forward", "key_value_grads", "query_grads") if k in block), None)
+    if name is None or "__global__" not in block:
+        continue
+    n = count[name] = count.get(name, -1) + 1
     start = block.index("#include")
-    (out / f"flash_forward_{n}.meta").write_text(block[:start])
-    (out / f"flash_forward_{n}.cu").write_text(block[start:].rstrip().removesuffix("```"))
-print(f"{len(fused)} fused-forward kernel sources")
+    (out / f"{name}_{n}.meta").write_text(block[:start])
+    (out / f"{name}_{n}.cu").write_text(block[start:].rstrip().removesuffix("```"))
+print(f"fused kernel sources: {count}")
 EOF
     rm -f "$OUT/cubecl.log"
     ;;
@@ -60,6 +65,19 @@ EOF
       BURN_FLASH_TC_SHAPE=$shape .gpu/bench-attention --impls burn-flash --d "$BENCH_D" \
         --n "$BENCH_N" --causal both --iters 20 2>>"$OUT/tune.err" | sed "s/^burn-flash,/burn-flash[$shape],/"
     done | tee -a "$OUT/tune.csv"
+    ;;
+  memory)
+    # A process per row: the pools' high-water mark is per process, and an unfused step that
+    # runs out of memory must not take the next row with it.
+    : >"$OUT/memory.raw"
+    for impl in ${MEM_IMPLS:-burn-flash burn-unfused}; do
+      for n in ${MEM_N:-4096 16384 32768}; do
+        timeout "${MEM_TIMEOUT:-150}" .gpu/bench-attention --memory --impls "$impl" --b 1 --h 16 \
+          --d 128 --n "$n" --causal "${MEM_CAUSAL:-false}" >>"$OUT/memory.raw" 2>>"$OUT/memory.err" \
+          || echo "# $impl n=$n exited $?" >>"$OUT/memory.raw"
+      done
+    done
+    awk 'NR == 1 || !/^impl,/' "$OUT/memory.raw" | tee "$OUT/memory.csv"
     ;;
   *)
     echo "unknown stage $stage" >&2

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Markdown tables of forward TFLOPS from benchmark CSVs (columns of torch_sdpa_bench.py).
+"""Markdown tables of TFLOPS from benchmark CSVs (columns of torch_sdpa_bench.py), one table per
+mode (fwd, fwdbwd) present in a file.
 
     scripts/perf-table.py docs/perf/h100.csv [docs/perf/h100-burn-peers.csv]
 
@@ -10,22 +11,29 @@ import sys
 from collections import defaultdict
 
 
-def load(path):
+def load(path, mode):
     rows = defaultdict(dict)
     with open(path) as f:
         for r in csv.DictReader(line for line in f if not line.startswith("#")):
-            if r["mode"] != "fwd":
+            if r["mode"] != mode:
                 continue
             key = (int(r["d"]), r["causal"] == "True", int(r["n"]))
             rows[key][r["impl"]] = float(r["tflops"])
     return rows
 
 
-def table(path, peers):
-    rows = load(path)
+def modes(path):
+    with open(path) as f:
+        found = [r["mode"] for r in csv.DictReader(line for line in f if not line.startswith("#"))]
+    return sorted(set(found), key=found.index)
+
+
+def table(path, mode, peers):
+    rows = load(path, mode)
     impls = sorted({i for v in rows.values() for i in v}, key=lambda i: (i != "burn-flash", i))
     head = ["d", "causal", "n"] + impls + [f"flash / {p}" for p in peers if p in impls]
-    print(f"From `{path}` (TFLOPS, forward):\n")
+    name = {"fwd": "forward", "fwdbwd": "forward+backward"}.get(mode, mode)
+    print(f"From `{path}` (TFLOPS, {name}):\n")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for (d, causal, n), v in sorted(rows.items()):
@@ -41,4 +49,5 @@ def table(path, peers):
 
 if __name__ == "__main__":
     for path in sys.argv[1:]:
-        table(path, ["torch-flash", "torch-cudnn", "burn-unfused", "burn-builtin"])
+        for mode in modes(path):
+            table(path, mode, ["torch-flash", "torch-cudnn", "burn-unfused", "burn-builtin"])
