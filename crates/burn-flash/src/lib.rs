@@ -13,9 +13,9 @@
 //! with `log::warn!`; [`flash_attention_plan`] tells which path a call takes. Invalid inputs
 //! (mismatched shapes, devices or dtypes) are refused with a [`FlashAttentionError`].
 //!
-//! Under `burn::backend::Autodiff` the fused forward records one node whose backward runs the
-//! fused backward kernels (portable tile for now; tensor-core inputs keep Burn's unfused
-//! attention for training until the tensor-core backward lands).
+//! Under `burn::backend::Autodiff` the fused forward records one node (saving q, k, v, the
+//! output and its log-sum-exp) whose backward runs the fused backward kernels on the same tile
+//! as the forward, so training never materialises the score matrix either.
 //!
 //! # Example
 //!
