@@ -130,30 +130,29 @@ pub(crate) fn shape_override(name: &str) -> Option<(usize, usize, usize)> {
     }
 }
 
-/// Each unit issues the same number of 16-byte copies per stage (owned blocks included).
+/// Each unit issues the same number of 16-byte copies per stage (owned blocks included): the
+/// units cover whole rows per pass and the passes divide every block.
 pub(crate) fn check_copy_split(cfg: &TileConfig) {
-    for rows_by_width in [
-        cfg.block_q * cfg.head_dim,
-        cfg.block_q * cfg.value_dim,
-        cfg.block_kv * cfg.head_dim,
-        cfg.block_kv * cfg.value_dim,
+    for (rows, width) in [
+        (cfg.block_q, cfg.head_dim),
+        (cfg.block_q, cfg.value_dim),
+        (cfg.block_kv, cfg.head_dim),
+        (cfg.block_kv, cfg.value_dim),
     ] {
-        assert_eq!(rows_by_width / CHUNK % cfg.units(), 0, "{cfg:?}");
+        let chunks_per_row = width / CHUNK;
+        assert_eq!(cfg.units() % chunks_per_row, 0, "{cfg:?}");
+        assert_eq!(rows % (cfg.units() / chunks_per_row), 0, "{cfg:?}");
     }
 }
 
 /// Block shapes of the tensor-core forward: 4 planes of 32 query rows (128-row query blocks)
-/// over 64-key stages at head dim 64 and 32-key stages at 128, the shapes measured fastest on
-/// the H100 (`docs/perf-notes.md`). `BURN_FLASH_TC_SHAPE=planes,plane_rows,block_kv` overrides
+/// over 64-key stages, the shape measured fastest on the H100 at head dims 64 and 128
+/// (`docs/perf-notes.md`). `BURN_FLASH_TC_SHAPE=planes,plane_rows,block_kv` overrides
 /// them for tuning runs.
 fn tensor_core_config(head_dim: usize, value_dim: usize, causal: bool) -> TileConfig {
     static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
     let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_TC_SHAPE"));
-    let (planes, plane_rows, block_kv) = shape.unwrap_or(if head_dim <= 64 {
-        (4, 32, 64)
-    } else {
-        (4, 32, 32)
-    });
+    let (planes, plane_rows, block_kv) = shape.unwrap_or((4, 32, 64));
     let cfg = TileConfig::tensor_core(head_dim, value_dim, causal, planes, plane_rows, block_kv);
     check_copy_split(&cfg);
     cfg

@@ -1,6 +1,6 @@
 //! Online softmax on the score registers (FlashAttention-2): running row max and row sum, the
 //! softmax scale folded into one fused multiply-add before `exp`, the output accumulators rescaled
-//! in registers when the max moves. Each unit keeps its own part of the row sum; the parts are
+//! in registers when the max moves far enough to matter. Each unit keeps its own part of the row sum; the parts are
 //! combined once, at the end.
 //!
 //! `-inf` arrives as a runtime argument (`neg_inf`): WGSL has no literal for it.
@@ -32,9 +32,19 @@ pub fn init_stats(neg_inf: f32, #[comptime] cfg: TileConfig) -> RowStats {
     RowStats { max, sum }
 }
 
+/// How far (in scaled score units) a row's running max may lag behind its true max before the
+/// output accumulators are rescaled: probabilities then reach at most e^8 ≈ 3·10³ before
+/// normalisation, far inside the range of f32 accumulators and of f16/bf16 P.
+const RESCALE_SLACK: f32 = 8.0;
+
 /// Turn the raw scores of one KV block into unnormalised probabilities exp(scale·(s − m)) in
-/// place, update the row statistics, and rescale the output accumulators by exp(scale·(m_old −
-/// m_new)). Masked scores are `-inf` and become exactly 0.
+/// place and update the row statistics. Masked scores are `-inf` and become exactly 0.
+///
+/// The running max `m` moves, and the output accumulators and row sums are rescaled by
+/// exp(scale·(m_old − m_new)), only when some row of the unit's plane saw its max grow by more
+/// than [`RESCALE_SLACK`]; otherwise the block is exponentiated against the old max. The result
+/// is exact either way (numerator, sum and log-sum-exp all use the same `m`), and after the first
+/// few blocks the rescale of every output register is usually skipped.
 #[cube]
 pub fn online_update<E: Float, T: AttentionTile<E>>(
     scores: &mut Array<f32>,
@@ -55,31 +65,43 @@ pub fn online_update<E: Float, T: AttentionTile<E>>(
         let slot = comptime!(cfg.score_slot(reg));
         block_max[slot] = max(block_max[slot], scores[reg]);
     }
-
-    let mut shift = Array::<f32>::new(rows);
-    let mut alpha = Array::<f32>::new(rows);
+    let mut grown = false;
     #[unroll]
     for r in 0..rows {
-        let new_max = T::row_max(block_max[r]);
-        // A row that has seen no visible key keeps a max of -inf: shift by 0 so that its
-        // masked scores give exp(-inf) = 0 instead of NaN.
-        shift[r] = select(new_max == neg_inf, 0.0, new_max * scale);
-        alpha[r] = (stats.max[r] * scale - shift[r]).exp();
-        stats.max[r] = new_max;
-        stats.sum[r] *= alpha[r];
+        block_max[r] = T::row_max(block_max[r]);
+        // -inf (no visible key yet) never exceeds -inf: such a row waits for a visible key.
+        grown = grown || block_max[r] * scale > stats.max[r] * scale + RESCALE_SLACK;
     }
 
+    if T::any_unit(grown) {
+        let mut alpha = Array::<f32>::new(rows);
+        #[unroll]
+        for r in 0..rows {
+            // A row that has seen no visible key keeps a max of -inf: shift by 0 so that its
+            // masked scores give exp(-inf) = 0 instead of NaN.
+            let shift = select(block_max[r] == neg_inf, 0.0, block_max[r] * scale);
+            alpha[r] = (stats.max[r] * scale - shift).exp();
+            stats.max[r] = block_max[r];
+            stats.sum[r] *= alpha[r];
+        }
+        #[unroll]
+        for reg in 0..cfg.out_regs() {
+            let slot = comptime!(cfg.out_slot(reg));
+            out[reg] *= alpha[slot];
+        }
+    }
+
+    let mut shift = Array::<f32>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        shift[r] = select(stats.max[r] == neg_inf, 0.0, stats.max[r] * scale);
+    }
     #[unroll]
     for reg in 0..cfg.score_regs() {
         let slot = comptime!(cfg.score_slot(reg));
         let p = (scores[reg] * scale - shift[slot]).exp();
         scores[reg] = p;
         stats.sum[slot] += p;
-    }
-    #[unroll]
-    for reg in 0..cfg.out_regs() {
-        let slot = comptime!(cfg.out_slot(reg));
-        out[reg] *= alpha[slot];
     }
 }
 

@@ -24,6 +24,27 @@ pub fn stage_offset(
     }
 }
 
+/// [`stage_offset`] (swizzled) of row `row0 + lane_row`, 16-byte chunk `chunk0 + lane_chunk`,
+/// split into a part that depends on the lane only and a compile-time constant, so that every
+/// fragment read of an unrolled product costs one register plus an immediate offset instead of
+/// its own swizzle arithmetic. The per-lane part depends only on `chunk0 % 8`, so at most eight
+/// distinct values exist and the compiler computes each once.
+///
+/// Requires `row0 % 8 == 0` (the row's swizzle key is then `lane_row % 8`) and `lane_chunk`
+/// below the largest power of two dividing `chunk0` (the sum is then an XOR); the callers'
+/// lane patterns satisfy both by construction.
+#[cube]
+pub fn swizzled_offset(
+    lane_row: usize,
+    lane_chunk: usize,
+    #[comptime] row0: usize,
+    #[comptime] chunk0: usize,
+    #[comptime] width: usize,
+) -> usize {
+    let key = (lane_chunk ^ (lane_row % 8)) ^ comptime!(chunk0 % 8);
+    lane_row * width + key * CHUNK + comptime!(row0 * width + (chunk0 - chunk0 % 8) * CHUNK)
+}
+
 /// Issue asynchronous copies of rows `[first_row, first_row + rows)` of one head of `src` into
 /// `stage`. Rows at or past `seq` are zero-filled, never read.
 #[cube]
@@ -40,25 +61,41 @@ pub fn copy_block_async<E: Float>(
     #[comptime] cfg: TileConfig,
 ) {
     let chunks_per_row = comptime!(width / CHUNK);
-    let chunks = comptime!(rows * width / CHUNK);
     let units = comptime!(cfg.units());
+    // Each pass of the units covers `pass_rows` whole rows; the launch checks that the passes
+    // divide the block.
+    let pass_rows = comptime!(units / chunks_per_row);
     let row_stride = src.stride(2);
+    let lane_row = UNIT_POS as usize / chunks_per_row;
+    let lane_chunk = UNIT_POS as usize % chunks_per_row;
 
-    // The launch checks that the chunks divide evenly among the units.
     #[unroll]
-    for i in 0..comptime!(chunks / units) {
-        let id = i * units + UNIT_POS as usize;
-        let row = id / chunks_per_row;
-        let col = (id % chunks_per_row) * CHUNK;
+    for pass in 0..comptime!(rows / pass_rows) {
+        let row = comptime!(pass * pass_rows) + lane_row;
         let global_row = first_row + row;
         let in_bounds = global_row < seq;
         // Out-of-range rows point at row 0 with a zero-length source: cp.async zero-fills.
-        let src_start = head_base + select(in_bounds, global_row * row_stride + col, 0usize);
+        let src_start = head_base
+            + select(
+                in_bounds,
+                global_row * row_stride + lane_chunk * CHUNK,
+                0usize,
+            );
         let len = select(in_bounds, CHUNK, 0usize);
-        let dst = stage_base + stage_offset(row, col, width, comptime!(cfg.swizzle()));
+        let dst = if comptime!(pass_rows % 8 == 0) {
+            swizzled_offset(
+                lane_row,
+                lane_chunk,
+                comptime!(pass * pass_rows),
+                0usize,
+                width,
+            )
+        } else {
+            stage_offset(row, lane_chunk * CHUNK, width, true)
+        };
         copy_async_checked(
             &src.slice(src_start, src_start + len),
-            &mut stage.slice_mut(dst, dst + CHUNK),
+            &mut stage.slice_mut(stage_base + dst, stage_base + dst + CHUNK),
             CHUNK as u32,
         );
     }

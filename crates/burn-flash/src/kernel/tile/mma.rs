@@ -14,7 +14,7 @@ use cubecl::prelude::*;
 
 use super::AttentionTile;
 use crate::kernel::config::{TileConfig, CHUNK, MMA_K, MMA_M, MMA_N};
-use crate::kernel::stage::{copy_block_async, stage_offset};
+use crate::kernel::stage::{copy_block_async, swizzled_offset};
 
 /// Two 16-bit values in one 32-bit register, or two f32 accumulators: the MMA register unit.
 type Pair<T> = Vector<T, Const<2>>;
@@ -95,9 +95,14 @@ fn query_fragment<E: Float>(
     #[comptime] cfg: TileConfig,
 ) -> Array<Pair<E>> {
     let lane = UNIT_POS_X as usize;
-    let row = UNIT_POS_Y as usize * cfg.plane_rows + m * MMA_M + lane % 16usize;
-    let col = step * MMA_K + lane / 16usize * CHUNK;
-    let at = stage_offset(row, col, cfg.head_dim, true);
+    let lane_row = UNIT_POS_Y as usize * cfg.plane_rows + lane % 16usize;
+    let at = swizzled_offset(
+        lane_row,
+        lane / 16usize,
+        comptime!(m * MMA_M),
+        comptime!(step * MMA_K / CHUNK),
+        cfg.head_dim,
+    );
     definition::<E>().load_matrix::<E, Const<2>>(
         &stage.slice(at, at + CHUNK),
         MatrixIdent::A,
@@ -209,7 +214,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         // l / 8, giving the B operands of two consecutive 16-deep steps.
         let lane = UNIT_POS_X as usize;
         let key_row = lane % 8usize;
-        let chunk = lane / 8usize;
+        let lane_chunk = lane / 8usize;
         #[unroll]
         for steps in 0..cfg.head_dim / (2 * MMA_K) {
             // A operands of both steps for every m16 block: (m · 2 + s) · 4.
@@ -228,11 +233,12 @@ impl<E: Float> AttentionTile<E> for MmaTile {
             #[unroll]
             for tile in 0..n_tiles {
                 let at = stage_base
-                    + stage_offset(
-                        tile * MMA_N + key_row,
-                        steps * 2 * MMA_K + chunk * CHUNK,
+                    + swizzled_offset(
+                        key_row,
+                        lane_chunk,
+                        comptime!(tile * MMA_N),
+                        comptime!(steps * 2 * MMA_K / CHUNK),
                         cfg.head_dim,
-                        true,
                     );
                 let b = def.load_matrix::<E, Const<2>>(
                     &keys.slice(at, at + CHUNK),
@@ -274,7 +280,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         // (keys +0, cols +8), (keys +8, cols +8) are the B operands of two n-tiles.
         let lane = UNIT_POS_X as usize;
         let key_row = (lane / 8usize) % 2usize * 8usize + lane % 8usize;
-        let col = lane / 16usize * CHUNK;
+        let lane_chunk = lane / 16usize;
         #[unroll]
         for step in 0..cfg.block_kv / MMA_K {
             // The S accumulators of n-tiles 2·step and 2·step + 1 of an m16 block are laid out
@@ -293,11 +299,12 @@ impl<E: Float> AttentionTile<E> for MmaTile {
             #[unroll]
             for tiles in 0..cfg.value_dim / (2 * MMA_N) {
                 let at = stage_base
-                    + stage_offset(
-                        step * MMA_K + key_row,
-                        tiles * 2 * MMA_N + col,
+                    + swizzled_offset(
+                        key_row,
+                        lane_chunk,
+                        comptime!(step * MMA_K),
+                        comptime!(tiles * 2 * MMA_N / CHUNK),
                         cfg.value_dim,
-                        true,
                     );
                 let b = def.load_matrix::<E, Const<2>>(
                     &values.slice(at, at + CHUNK),
@@ -350,5 +357,9 @@ impl<E: Float> AttentionTile<E> for MmaTile {
     fn row_sum(value: f32) -> f32 {
         let value = value + plane_shuffle_xor(value, 1);
         value + plane_shuffle_xor(value, 2)
+    }
+
+    fn any_unit(flag: bool) -> bool {
+        plane_any(flag)
     }
 }

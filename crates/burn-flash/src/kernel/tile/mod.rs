@@ -65,4 +65,8 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
 
     /// Sum over the units sharing this unit's row.
     fn row_sum(value: f32) -> f32;
+
+    /// Whether `flag` holds for any unit that must take the same branch as this one (its plane
+    /// on the tensor-core tile, where a divergent branch would split the MMAs).
+    fn any_unit(flag: bool) -> bool;
 }

@@ -97,4 +97,8 @@ impl<E: Float> AttentionTile<E> for PortableTile {
     fn row_sum(value: f32) -> f32 {
         value
     }
+
+    fn any_unit(flag: bool) -> bool {
+        flag
+    }
 }
