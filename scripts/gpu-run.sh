@@ -79,6 +79,26 @@ EOF
     done
     awk 'NR == 1 || !/^impl,/' "$OUT/memory.raw" | tee "$OUT/memory.csv"
     ;;
+  profile)
+    # One launch of each kernel after a warm-up step, full section set, clocks left alone
+    # (METHOD.md). PROF_N sets the length (b = 16384 / n, h = 2048 / d as in the bench).
+    n=${PROF_N:-4096}
+    for d in ${PROF_D:-64 128}; do
+      ncu --clock-control none --set full --import-source no -f -o "$OUT/ours-d$d" \
+        --kernel-name regex:'flash_forward|key_value_grads|query_grads' --launch-skip 3 \
+        --launch-count 3 .gpu/bench-attention --impls burn-flash --modes fwdbwd --d "$d" \
+        --n "$n" --causal false --iters 2 --warmup 1 >"$OUT/ours-d$d.log" 2>&1
+      ncu --clock-control none --set full --import-source no -f -o "$OUT/fa2-d$d" \
+        --kernel-name regex:'flash_fwd_kernel|flash_bwd_dq_dk_dv' --launch-skip 2 \
+        --launch-count 2 python3 scripts/fa2-step.py "$d" "$n" >"$OUT/fa2-d$d.log" 2>&1
+      for r in ours fa2; do
+        ncu -i "$OUT/$r-d$d.ncu-rep" --page details --print-units base >"$OUT/$r-d$d.details.txt" 2>&1
+        ncu -i "$OUT/$r-d$d.ncu-rep" --page raw --csv >"$OUT/$r-d$d.raw.csv" 2>&1
+        ncu -i "$OUT/$r-d$d.ncu-rep" --page source --print-source sass --csv >"$OUT/$r-d$d.sass.csv" 2>&1
+      done
+    done
+    ls -la "$OUT"
+    ;;
   *)
     echo "unknown stage $stage" >&2
     exit 2
