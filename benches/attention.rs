@@ -49,12 +49,17 @@ use burn_flash::{
 };
 
 const USAGE: &str = "\
-usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--causal both|true|false]
+usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
+                 [--causal both|true|false] [--window LEFT]
                  [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
                  [--backend auto|cuda|wgpu] [--iters N] [--warmup N] [--sets N]
                  [--budget-ms MS] [--row-seconds S] [--modes fwd,fwdbwd] [--memory]
 --b / --h: 0 (default) means 16384 / n and 2048 / d on CUDA (the FlashAttention-2 shapes),
-           1024 / n and 256 / d on wgpu.";
+           1024 / n and 256 / d on wgpu.
+--hkv:     key/value heads (grouped-query attention); 0 (default) means h. Burn's peers get
+           k and v expanded to h heads, as a Burn model without a GQA kernel would.
+--window:  a sliding window of LEFT keys before each query's diagonal (burn-flash only; its
+           rows are named burn-flash-swaLEFT, their TFLOPS count the visible pairs exactly).";
 
 const IMPLS: [&str; 3] = ["burn-flash", "burn-unfused", "burn-builtin"];
 
@@ -64,6 +69,8 @@ struct Args {
     n: Vec<usize>,
     b: usize,
     h: usize,
+    hkv: usize,
+    window: Option<usize>,
     causal: Vec<bool>,
     impls: Vec<String>,
     dtype: Option<DType>,
@@ -100,6 +107,8 @@ fn parse_args() -> Args {
         n: Vec::new(),
         b: 0,
         h: 0,
+        hkv: 0,
+        window: None,
         causal: vec![false, true],
         impls: IMPLS.iter().map(|s| s.to_string()).collect(),
         dtype: None,
@@ -138,6 +147,8 @@ fn parse_args() -> Args {
             "--n" => args.n = list(&value),
             "--b" => args.b = number(&value) as usize,
             "--h" => args.h = number(&value) as usize,
+            "--hkv" => args.hkv = number(&value) as usize,
+            "--window" => args.window = Some(number(&value) as usize),
             "--causal" => {
                 args.causal = match value.as_str() {
                     "both" => vec![false, true],
@@ -243,12 +254,37 @@ fn forward<B: FlashAttentionBackend>(
     [q, k, v]: [Tensor<B, 4>; 3],
     options: FlashAttentionOptions,
 ) -> Tensor<B, 4> {
+    if name == "burn-flash" {
+        return flash_attention(q, k, v, options);
+    }
+    // Burn's attention wants as many key/value heads as query heads.
+    let ([b, h, _, _], [_, hkv, n, d]) = (q.dims(), k.dims());
+    let expand = |t: Tensor<B, 4>| {
+        t.unsqueeze_dim::<5>(2)
+            .expand([b, hkv, h / hkv, n, d])
+            .reshape([b, h, n, d])
+    };
+    let (k, v) = if hkv == h {
+        (k, v)
+    } else {
+        (expand(k), expand(v))
+    };
     match name {
-        "burn-flash" => flash_attention(q, k, v, options),
         "burn-unfused" => attention_fallback(q, k, v, None, None, options.into()),
         "burn-builtin" => attention(q, k, v, None, None, options.into()),
         _ => unreachable!("impls are checked when parsing"),
     }
+}
+
+/// Query-key pairs of an `n × n` self-attention that a causal mask and a window of `left` keys
+/// before the diagonal leave visible.
+fn visible_pairs(n: usize, causal: bool, left: usize) -> f64 {
+    (0..n)
+        .map(|i| {
+            let last = if causal { i } else { n - 1 };
+            (last + 1 - i.saturating_sub(left)) as f64
+        })
+        .sum()
 }
 
 /// One training step of attention: the forward of `name` on inputs that require gradients,
@@ -317,22 +353,31 @@ fn run<B: FlashAttentionBackend>(
             } else {
                 (s.hidden / d).max(1)
             };
-            let dims = [b, h, n, d];
+            let hkv = if args.hkv > 0 { args.hkv } else { h };
             B::seed(&device, 0);
             let inputs: Vec<[Tensor<B, 4>; 3]> = (0..args.sets)
                 .map(|_| {
-                    [(); 3].map(|_| {
+                    [h, hkv, hkv].map(|heads| {
+                        let dims = [b, heads, n, d];
                         Tensor::random(dims, Distribution::Normal(0.0, 1.0), (&device, s.dtype))
                     })
                 })
                 .collect();
             for &causal in &args.causal {
-                let options = FlashAttentionOptions::new().with_causal(causal);
-                let forward_flops =
-                    4.0 * (b * h * n * n * d) as f64 / if causal { 2.0 } else { 1.0 };
+                let mut options = FlashAttentionOptions::new().with_causal(causal);
+                // FlashAttention's convention: n² pairs, halved when causal; with a window, the
+                // visible pairs exactly.
+                let pairs = match args.window {
+                    Some(left) => {
+                        options = options.with_sliding_window(left);
+                        visible_pairs(n, causal, left)
+                    }
+                    None => (n * n) as f64 / if causal { 2.0 } else { 1.0 },
+                };
+                let forward_flops = 4.0 * (b * h * d) as f64 * pairs;
                 let flops = forward_flops * if mode == "fwdbwd" { 3.5 } else { 1.0 };
                 let prefix = format!(
-                    "{},{b},{h},{h},{n},{d},{}",
+                    "{},{b},{h},{hkv},{n},{d},{}",
                     dtype_name(s.dtype),
                     py_bool(causal)
                 );
@@ -349,7 +394,14 @@ fn run<B: FlashAttentionBackend>(
                     Err(e) => eprintln!("burn-flash refuses b {b} h {h} n {n} d {d}: {e}"),
                 }
                 for name in &args.impls {
-                    let row = format!("{name},{prefix}");
+                    let row = match args.window {
+                        Some(left) if name == "burn-flash" => format!("{name}-swa{left},{prefix}"),
+                        Some(_) => {
+                            println!("# {name},{prefix},{mode} skipped: no sliding window");
+                            continue;
+                        }
+                        None => format!("{name},{prefix}"),
+                    };
                     let key = (name.clone(), d, causal);
                     // A peer too slow at a shorter length is not started again: its first call
                     // (compilation, autotune) cannot be interrupted.

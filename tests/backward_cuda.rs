@@ -31,7 +31,7 @@ use burn_flash::{
 use common::cuda::{cuda_device, has_tensor_cores};
 use common::{
     error, random_normal, reference_grads, round_to, tensor_from_host, to_host, unfused_grads,
-    unit_roundoff, Error, Inputs, Problem,
+    unit_roundoff, Error, Inputs, Problem, Spec,
 };
 
 /// Slack added to the "twice the baseline" rule on the global relative error so that a baseline
@@ -100,11 +100,11 @@ fn fused_grads<B: FlashAttentionBackend + AutodiffBackend>(
     label: &str,
     [q, k, v]: [Tensor<B, 4>; 3],
     upstream: Tensor<B, 4>,
-    causal: bool,
+    spec: Spec,
     expect: TilePath,
 ) -> Result<[Tensor<B, 4>; 3], String> {
     let [q, k, v] = [q, k, v].map(|t| t.require_grad());
-    let options = FlashAttentionOptions::new().with_causal(causal);
+    let options = spec.options(None);
     let plan = flash_attention_plan(&q, &k, &v, options).map_err(|e| format!("{label}: {e}"))?;
     if plan != FlashAttentionPlan::Fused(expect) {
         return Err(format!("{label}: plan is {plan}, expected {expect:?}"));
@@ -161,7 +161,8 @@ fn judge_all(
     failures
 }
 
-fn small_problems() -> Vec<(Problem, bool)> {
+/// Small and odd shapes, plain and causal, then the features at tensor-core sizes.
+fn small_problems() -> Vec<(Problem, Spec)> {
     [
         Problem::square(1, 1, 1, 64),
         Problem::square(2, 3, 7, 64),
@@ -178,7 +179,8 @@ fn small_problems() -> Vec<(Problem, bool)> {
         Problem::square(1, 2, 200, 128),
     ]
     .into_iter()
-    .flat_map(|p| [(p, false), (p, true)])
+    .flat_map(|p| [(p, Spec::from(false)), (p, Spec::from(true))])
+    .chain(common::feature_cases())
     .collect()
 }
 
@@ -193,9 +195,9 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice> + AutodiffBackend>(
     burn_flash::testing::poison_outputs(true);
     let expect = expected_tile(&device, dtype);
     let mut failures = Vec::new();
-    for (index, (problem, causal)) in small_problems().into_iter().enumerate() {
+    for (index, (problem, spec)) in small_problems().into_iter().enumerate() {
         let seed = first_seed + index as u64;
-        let label = format!("{dtype:?} {problem} causal {causal} seed {seed}");
+        let label = format!("{dtype:?} {problem} {spec} seed {seed}");
         let started = Instant::now();
         let inputs = Inputs::random(problem, dtype, seed);
         let upstream = random_normal(problem.out_dims().iter().product(), seed ^ 0x5EED, dtype);
@@ -204,7 +206,7 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice> + AutodiffBackend>(
             &label,
             inputs.to_device::<B>(&device),
             tensor_from_host::<B>(&upstream, problem.out_dims(), dtype, &device),
-            causal,
+            spec,
             expect,
         );
         let [dq, dk, dv] = match grads {
@@ -221,10 +223,10 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice> + AutodiffBackend>(
             &widen(&inputs.k),
             &widen(&inputs.v),
             &widen(&upstream),
-            causal,
+            spec,
             None,
         );
-        let (bq, bk, bv) = unfused_grads(&inputs, &upstream, causal);
+        let (bq, bk, bv) = unfused_grads(&inputs, &upstream, spec);
         eprintln!("{label}: call {:.2?}", started.elapsed());
         failures.extend(judge_all(
             &label,
@@ -281,7 +283,7 @@ fn benchmark_shapes_bf16() {
             &label,
             [q.clone(), k.clone(), v.clone()],
             upstream.clone(),
-            causal,
+            Spec::from(causal),
             expected_tile(&device, dtype),
         ) {
             Ok(grads) => grads,

@@ -11,9 +11,7 @@ use burn::tensor::{DType, Tensor};
 use burn_flash::{
     flash_attention, flash_attention_plan, FlashAttentionOptions, FlashAttentionPlan, TilePath,
 };
-use common::{
-    error, random_normal, reference_attention, reference_grads, to_host, Inputs, Problem,
-};
+use common::{error, random_normal, reference_grads, to_host, Inputs, Problem};
 
 type B = Autodiff<Wgpu>;
 
@@ -90,35 +88,7 @@ fn gradients_match_reference() {
 fn reference_gradients_match_finite_differences() {
     let problem = Problem::cross(1, 2, 5, 7, 4);
     for causal in [false, true] {
-        let inputs = Inputs::random(problem, DType::F32, 3);
-        let (q, k, v) = (widen(&inputs.q), widen(&inputs.k), widen(&inputs.v));
-        let g = widen(&random_normal(
-            problem.out_dims().iter().product(),
-            11,
-            DType::F32,
-        ));
-        let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
-            let (out, _) = reference_attention(&problem, q, k, v, causal, None);
-            out.iter().zip(&g).map(|(o, g)| o * g).sum()
-        };
-        let (dq, dk, dv) = reference_grads(&problem, &q, &k, &v, &g, causal, None);
-        let h = 1e-6;
-        for (which, analytic) in [(0, &dq), (1, &dk), (2, &dv)] {
-            for index in 0..analytic.len() {
-                let mut plus = [q.clone(), k.clone(), v.clone()];
-                let mut minus = plus.clone();
-                plus[which][index] += h;
-                minus[which][index] -= h;
-                let numeric = (loss(&plus[0], &plus[1], &plus[2])
-                    - loss(&minus[0], &minus[1], &minus[2]))
-                    / (2.0 * h);
-                assert!(
-                    (numeric - analytic[index]).abs() <= 1e-6 * (1.0 + numeric.abs()),
-                    "causal {causal} input {which} index {index}: numeric {numeric}, analytic {}",
-                    analytic[index]
-                );
-            }
-        }
+        common::check_reference_grads_by_differences(&problem, causal.into(), None, 3);
     }
 }
 
@@ -171,5 +141,43 @@ fn model_gradients_match_reference() {
     ] {
         let err = error(&got, &reference, dim);
         assert!(err.finite() && err.relative <= TOLERANCE, "{name}: {err:?}");
+    }
+}
+
+/// Inputs and an upstream gradient that are strided views, as multi-head attention makes them
+/// (`[b, n, h, d]` projections with heads and sequence swapped): the gradients, taken on the
+/// `[b, n, h, d]` leaves, against the reference on the same values.
+#[test]
+fn strided_inputs_and_upstream_gradient() {
+    use burn::tensor::Distribution;
+
+    let device = WgpuDevice::default();
+    burn_flash::testing::poison_outputs(true);
+    let problem = Problem::cross(2, 3, 37, 45, 64);
+    let heads_second = |[b, h, n, d]: [usize; 4]| {
+        Tensor::<B, 4>::random([b, n, h, d], Distribution::Normal(0.0, 1.0), &device).require_grad()
+    };
+    let leaves = [problem.q_dims(), problem.k_dims(), problem.v_dims()].map(heads_second);
+    let [q, k, v] = leaves.clone().map(|leaf| leaf.swap_dims(1, 2));
+    let [b, h, n, dv] = problem.out_dims();
+    let upstream = Tensor::<B, 4>::random([b, n, h, dv], Distribution::Normal(0.0, 1.0), &device);
+    let host = |t: Tensor<B, 4>| to_host(t);
+    let (q_host, k_host, v_host) = (host(q.clone()), host(k.clone()), host(v.clone()));
+    let grad_out = host(upstream.clone().swap_dims(1, 2));
+
+    let out = flash_attention(q, k, v, FlashAttentionOptions::causal());
+    let grads = (out.swap_dims(1, 2) * upstream).sum().backward();
+    let (rq, rk, rv) = reference_grads(&problem, &q_host, &k_host, &v_host, &grad_out, true, None);
+    for (name, leaf, reference, row) in [
+        ("dq", &leaves[0], rq, problem.head_dim),
+        ("dk", &leaves[1], rk, problem.head_dim),
+        ("dv", &leaves[2], rv, problem.value_dim),
+    ] {
+        let got = to_host(leaf.grad(&grads).expect("a gradient").swap_dims(1, 2));
+        let err = error(&got, &reference, row);
+        assert!(
+            err.finite() && err.relative <= TOLERANCE && err.row_relative <= TOLERANCE,
+            "{name}: {err:?}"
+        );
     }
 }

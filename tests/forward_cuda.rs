@@ -38,7 +38,7 @@ use burn_flash::{
 use common::cuda::{cuda_device, has_tensor_cores};
 use common::{
     error, masked_rows, reference_row, to_host, unfused_attention, unfused_row, unit_roundoff,
-    visible_keys, Error, Inputs, Problem,
+    visible_keys, Error, Inputs, Problem, Spec,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -139,23 +139,20 @@ fn count_non_finite<B: Backend>(tensor: Tensor<B, 4>) -> i64 {
 #[derive(Clone, Copy, Debug)]
 struct Case {
     problem: Problem,
-    causal: bool,
+    spec: Spec,
     seed: u64,
 }
 
 impl core::fmt::Display for Case {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(
-            f,
-            "{} causal {} seed {}",
-            self.problem, self.causal, self.seed
-        )
+        write!(f, "{} {} seed {}", self.problem, self.spec, self.seed)
     }
 }
 
 /// The shapes of `forward_wgpu`: lengths around the block sizes, both length orders, batch and
 /// head counts, head dims 64 and 128, and (with `other_head_dim`) 48, not a tensor-core size,
-/// which runs Burn's fallback in bf16/f16 (and costs it an autotune).
+/// which runs Burn's fallback in bf16/f16 (and costs it an autotune); each plain and causal.
+/// Then the features of `features_wgpu` at tensor-core sizes (see [`common::feature_cases`]).
 fn small_cases(first_seed: u64, other_head_dim: bool) -> Vec<Case> {
     let problems = [
         Problem::square(1, 1, 1, 64),
@@ -179,11 +176,12 @@ fn small_cases(first_seed: u64, other_head_dim: bool) -> Vec<Case> {
     problems
         .iter()
         .filter(|problem| other_head_dim || matches!(problem.head_dim, 64 | 128))
-        .flat_map(|&problem| [false, true].map(|causal| (problem, causal)))
+        .flat_map(|&problem| [false, true].map(|causal| (problem, Spec::from(causal))))
+        .chain(common::feature_cases())
         .enumerate()
-        .map(|(index, (problem, causal))| Case {
+        .map(|(index, (problem, spec))| Case {
             problem,
-            causal,
+            spec,
             seed: first_seed + index as u64,
         })
         .collect()
@@ -200,12 +198,12 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice>>(
     let started = Instant::now();
     let Case {
         problem,
-        causal,
+        spec,
         seed,
     } = case;
     let inputs = Inputs::random(problem, dtype, seed);
     let [q, k, v] = inputs.to_device::<B>(device);
-    let options = FlashAttentionOptions::new().with_causal(causal);
+    let options = spec.options(None);
 
     let plan = flash_attention_plan(&q, &k, &v, options)
         .map_err(|e| format!("{dtype:?} {case}: refused: {e}"))?;
@@ -226,12 +224,12 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice>>(
     }
     let fused = to_host(out);
     let call_time = started.elapsed();
-    let (reference, _) = inputs.reference(causal, None);
+    let (reference, _) = inputs.reference(spec, None);
     let fused_err = error(&fused, &reference, problem.value_dim);
     // The unfused baseline of the rule, for fused low-precision runs (a fallback run is the
     // unfused attention itself: only the sanity bound applies).
     let baseline = (dtype != DType::F32 && plan.is_fused()).then(|| {
-        let unfused = unfused_attention(&inputs, causal, None);
+        let unfused = unfused_attention(&inputs, spec, None);
         error(&unfused, &reference, problem.value_dim)
     });
     let verdict = judge(dtype, &fused_err, baseline.as_ref());
@@ -244,7 +242,7 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice>>(
     verdict.map_err(|why| format!("{dtype:?} {case}: {plan}: {why}: {fused_err}{base_text}"))?;
 
     let dv = problem.value_dim;
-    for row in masked_rows(&problem, causal) {
+    for row in masked_rows(&problem, spec) {
         if fused[row * dv..(row + 1) * dv].iter().any(|&x| x != 0.0) {
             return Err(format!(
                 "{dtype:?} {case}: row {row} sees no key but is not 0"

@@ -16,11 +16,13 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 /// Sizes of one attention call: `q: [batch, heads, seq_q, head_dim]`,
-/// `k: [batch, heads, seq_k, head_dim]`, `v: [batch, heads, seq_k, value_dim]`.
+/// `k: [batch, kv_heads, seq_k, head_dim]`, `v: [batch, kv_heads, seq_k, value_dim]`; query head
+/// `h` reads key/value head `h / (heads / kv_heads)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Problem {
     pub batch: usize,
     pub heads: usize,
+    pub kv_heads: usize,
     pub seq_q: usize,
     pub seq_k: usize,
     pub head_dim: usize,
@@ -38,6 +40,7 @@ impl Problem {
         Self {
             batch,
             heads,
+            kv_heads: heads,
             seq_q,
             seq_k,
             head_dim,
@@ -45,16 +48,29 @@ impl Problem {
         }
     }
 
+    /// These sizes with `kv_heads` key/value heads (grouped-query attention).
+    pub fn grouped(self, kv_heads: usize) -> Self {
+        assert!(self.heads.is_multiple_of(kv_heads));
+        Self { kv_heads, ..self }
+    }
+
+    /// Which `[batch, kv_heads]` slab of `k` and `v` the flattened `[batch, heads]` index `bh`
+    /// of `q` reads.
+    pub fn kv_index(&self, bh: usize) -> usize {
+        let (b, h) = (bh / self.heads, bh % self.heads);
+        b * self.kv_heads + h / (self.heads / self.kv_heads)
+    }
+
     pub fn q_dims(&self) -> [usize; 4] {
         [self.batch, self.heads, self.seq_q, self.head_dim]
     }
 
     pub fn k_dims(&self) -> [usize; 4] {
-        [self.batch, self.heads, self.seq_k, self.head_dim]
+        [self.batch, self.kv_heads, self.seq_k, self.head_dim]
     }
 
     pub fn v_dims(&self) -> [usize; 4] {
-        [self.batch, self.heads, self.seq_k, self.value_dim]
+        [self.batch, self.kv_heads, self.seq_k, self.value_dim]
     }
 
     pub fn out_dims(&self) -> [usize; 4] {
@@ -69,6 +85,9 @@ impl core::fmt::Display for Problem {
             "b {} h {} seq_q {} seq_k {} d {}",
             self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim
         )?;
+        if self.kv_heads != self.heads {
+            write!(f, " hkv {}", self.kv_heads)?;
+        }
         if self.value_dim != self.head_dim {
             write!(f, " dv {}", self.value_dim)?;
         }
@@ -79,11 +98,135 @@ impl core::fmt::Display for Problem {
 /// How many keys query row `i` sees: all of them, or with the causal mask aligned bottom-right
 /// the keys `j <= i + seq_k - seq_q` (possibly none when `seq_k < seq_q`).
 pub fn visible_keys(i: usize, seq_q: usize, seq_k: usize, causal: bool) -> usize {
-    if !causal {
-        return seq_k;
+    Spec::from(causal).visible(i, seq_q, seq_k).len()
+}
+
+/// What an attention call does to its scores besides the scale, written from the definitions
+/// (independently of the library's options): the causal mask and a band `[diag - left,
+/// diag + right]` around the diagonal `diag = i + seq_k - seq_q` (bottom-right aligned), and the
+/// softcap `cap · tanh(s / cap)` of the scaled scores. `false`/`true` convert to plain or causal
+/// attention.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Spec {
+    pub causal: bool,
+    pub left: Option<usize>,
+    pub right: Option<usize>,
+    pub softcap: Option<f64>,
+}
+
+impl From<bool> for Spec {
+    fn from(causal: bool) -> Self {
+        Self {
+            causal,
+            ..Self::default()
+        }
     }
-    let last = i as i64 + seq_k as i64 - seq_q as i64; // last visible key, may be negative
-    (last + 1).clamp(0, seq_k as i64) as usize
+}
+
+impl Spec {
+    /// Whether query `i` sees key `j`.
+    pub fn sees(&self, i: usize, j: usize, seq_q: usize, seq_k: usize) -> bool {
+        let diag = i as i64 + seq_k as i64 - seq_q as i64;
+        let j = j as i64;
+        (!self.causal || j <= diag)
+            && self.left.is_none_or(|left| j >= diag - left as i64)
+            && self.right.is_none_or(|right| j <= diag + right as i64)
+    }
+
+    /// The keys query `i` sees, in order.
+    pub fn visible(&self, i: usize, seq_q: usize, seq_k: usize) -> Vec<usize> {
+        (0..seq_k)
+            .filter(|&j| self.sees(i, j, seq_q, seq_k))
+            .collect()
+    }
+
+    /// A scaled score after the softcap, and the softcap's derivative there.
+    pub fn cap(&self, score: f64) -> (f64, f64) {
+        match self.softcap {
+            None => (score, 1.0),
+            Some(cap) => {
+                let t = (score / cap).tanh();
+                (cap * t, 1.0 - t * t)
+            }
+        }
+    }
+
+    /// The library's options for this spec and scale.
+    pub fn options(&self, scale: Option<f64>) -> burn_flash::FlashAttentionOptions {
+        let mut options = burn_flash::FlashAttentionOptions::new().with_causal(self.causal);
+        if self.left.is_some() || self.right.is_some() {
+            options = options.with_window(burn_flash::AttentionWindow::new(self.left, self.right));
+        }
+        if let Some(cap) = self.softcap {
+            options = options.with_softcap(cap);
+        }
+        if let Some(scale) = scale {
+            options = options.with_scale(scale);
+        }
+        options
+    }
+}
+
+impl core::fmt::Display for Spec {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "causal {}", self.causal)?;
+        if self.left.is_some() || self.right.is_some() {
+            write!(f, " window {:?}..{:?}", self.left, self.right)?;
+        }
+        if let Some(cap) = self.softcap {
+            write!(f, " softcap {cap}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The feature cases the CUDA suites run at tensor-core head dims (the lavapipe suite,
+/// `features_wgpu`, covers the same features on smaller sizes): grouped-query and multi-query
+/// attention, causal and two-sided sliding windows across several KV blocks (also with fewer
+/// keys than queries, so that rows see nothing), the softcap, and all of them together.
+pub fn feature_cases() -> Vec<(Problem, Spec)> {
+    let band = |causal, left, right| Spec {
+        causal,
+        left,
+        right,
+        softcap: None,
+    };
+    let capped = Spec {
+        softcap: Some(2.0),
+        ..Spec::default()
+    };
+    let everything = Spec {
+        causal: true,
+        left: Some(70),
+        right: None,
+        softcap: Some(5.0),
+    };
+    vec![
+        (
+            Problem::cross(2, 4, 37, 70, 64).grouped(2),
+            Spec::from(true),
+        ),
+        (
+            Problem::square(1, 6, 130, 128).grouped(2),
+            Spec::from(false),
+        ),
+        (
+            Problem::cross(1, 4, 150, 90, 64).grouped(1),
+            Spec::from(true),
+        ),
+        (Problem::square(1, 2, 300, 64), band(true, Some(40), None)),
+        (
+            Problem::square(1, 1, 300, 128),
+            band(false, Some(64), Some(17)),
+        ),
+        (Problem::cross(1, 2, 200, 90, 64), band(true, Some(9), None)),
+        (
+            Problem::cross(1, 1, 90, 260, 128),
+            band(false, Some(0), Some(0)),
+        ),
+        (Problem::square(1, 2, 150, 64), capped),
+        (Problem::cross(1, 4, 177, 293, 128).grouped(2), everything),
+    ]
 }
 
 /// One query row of one (batch, head): `q_row` has `head_dim` values, `keys` and `values` hold
@@ -98,22 +241,45 @@ pub fn reference_row(
     visible: usize,
     scale: f64,
 ) -> (Vec<f64>, f64) {
+    let seen: Vec<usize> = (0..visible).collect();
+    reference_row_keys(
+        q_row,
+        keys,
+        values,
+        value_dim,
+        &seen,
+        scale,
+        &Spec::default(),
+    )
+}
+
+/// [`reference_row`] over the keys `seen`, with `spec`'s softcap.
+pub fn reference_row_keys(
+    q_row: &[f64],
+    keys: &[f64],
+    values: &[f64],
+    value_dim: usize,
+    seen: &[usize],
+    scale: f64,
+    spec: &Spec,
+) -> (Vec<f64>, f64) {
     let head_dim = q_row.len();
-    assert!(keys.len() >= visible * head_dim && values.len() >= visible * value_dim);
     let mut out = vec![0.0; value_dim];
-    if visible == 0 {
+    if seen.is_empty() {
         return (out, f64::NEG_INFINITY);
     }
-    let scores: Vec<f64> = (0..visible)
-        .map(|j| {
+    let scores: Vec<f64> = seen
+        .iter()
+        .map(|&j| {
             let key = &keys[j * head_dim..(j + 1) * head_dim];
-            scale * q_row.iter().zip(key).map(|(a, b)| a * b).sum::<f64>()
+            spec.cap(scale * q_row.iter().zip(key).map(|(a, b)| a * b).sum::<f64>())
+                .0
         })
         .collect();
     let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
     let sum: f64 = weights.iter().sum();
-    for (j, w) in weights.iter().enumerate() {
+    for (&j, w) in seen.iter().zip(&weights) {
         let value = &values[j * value_dim..(j + 1) * value_dim];
         for (o, x) in out.iter_mut().zip(value) {
             *o += w * x;
@@ -133,9 +299,10 @@ pub fn reference_attention(
     q: &[f64],
     k: &[f64],
     v: &[f64],
-    causal: bool,
+    spec: impl Into<Spec>,
     scale: Option<f64>,
 ) -> (Vec<f64>, Vec<f64>) {
+    let spec = spec.into();
     assert_eq!(q.len(), p.q_dims().iter().product::<usize>());
     assert_eq!(k.len(), p.k_dims().iter().product::<usize>());
     assert_eq!(v.len(), p.v_dims().iter().product::<usize>());
@@ -144,18 +311,20 @@ pub fn reference_attention(
     let mut out = Vec::with_capacity(p.out_dims().iter().product());
     let mut lse = Vec::with_capacity(p.batch * p.heads * p.seq_q);
     for bh in 0..p.batch * p.heads {
+        let kv = p.kv_index(bh);
         let q_head = &q[bh * p.seq_q * d..(bh + 1) * p.seq_q * d];
-        let k_head = &k[bh * p.seq_k * d..(bh + 1) * p.seq_k * d];
-        let v_head = &v[bh * p.seq_k * dv..(bh + 1) * p.seq_k * dv];
+        let k_head = &k[kv * p.seq_k * d..(kv + 1) * p.seq_k * d];
+        let v_head = &v[kv * p.seq_k * dv..(kv + 1) * p.seq_k * dv];
         for i in 0..p.seq_q {
-            let visible = visible_keys(i, p.seq_q, p.seq_k, causal);
-            let (row, row_lse) = reference_row(
+            let seen = spec.visible(i, p.seq_q, p.seq_k);
+            let (row, row_lse) = reference_row_keys(
                 &q_head[i * d..(i + 1) * d],
                 k_head,
                 v_head,
                 dv,
-                visible,
+                &seen,
                 scale,
+                &spec,
             );
             out.extend(row);
             lse.push(row_lse);
@@ -242,14 +411,14 @@ impl Inputs {
     }
 
     /// The f64 reference output and log-sum-exp of these inputs.
-    pub fn reference(&self, causal: bool, scale: Option<f64>) -> (Vec<f64>, Vec<f64>) {
+    pub fn reference(&self, spec: impl Into<Spec>, scale: Option<f64>) -> (Vec<f64>, Vec<f64>) {
         let widen = |values: &[f32]| values.iter().map(|&x| x as f64).collect::<Vec<_>>();
         reference_attention(
             &self.problem,
             &widen(&self.q),
             &widen(&self.k),
             &widen(&self.v),
-            causal,
+            spec,
             scale,
         )
     }
@@ -411,49 +580,91 @@ pub fn unfused_row(
     scale: f64,
     dtype: DType,
 ) -> Vec<f64> {
+    let seen: Vec<usize> = (0..visible).collect();
+    unfused_row_keys(
+        q_row,
+        keys,
+        values,
+        value_dim,
+        &seen,
+        scale,
+        &Spec::default(),
+        dtype,
+    )
+}
+
+/// [`unfused_row`] over the keys `seen`, with `spec`'s softcap computed as Burn's fallback does
+/// (divide, `tanh`, multiply, each rounded).
+#[allow(clippy::too_many_arguments)]
+pub fn unfused_row_keys(
+    q_row: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    value_dim: usize,
+    seen: &[usize],
+    scale: f64,
+    spec: &Spec,
+    dtype: DType,
+) -> Vec<f64> {
     let head_dim = q_row.len();
     let round = |x: f32| round_to(x, dtype);
-    if visible == 0 {
+    if seen.is_empty() {
         return vec![0.0; value_dim];
     }
-    let scores: Vec<f32> = (0..visible)
-        .map(|j| {
+    let scores: Vec<f32> = seen
+        .iter()
+        .map(|&j| {
             let key = &keys[j * head_dim..(j + 1) * head_dim];
             let dot = q_row.iter().zip(key).fold(0f32, |acc, (a, b)| acc + a * b);
-            round(round(dot) * round(scale as f32))
+            unfused_cap(round(round(dot) * round(scale as f32)), spec, dtype)
         })
         .collect();
     let probs = rounded_softmax(&scores, dtype);
     (0..value_dim)
         .map(|c| {
-            let acc = probs
+            let acc = seen
                 .iter()
-                .enumerate()
-                .fold(0f32, |acc, (j, p)| acc + p * values[j * value_dim + c]);
+                .zip(&probs)
+                .fold(0f32, |acc, (&j, p)| acc + p * values[j * value_dim + c]);
             round(acc) as f64
         })
         .collect()
 }
 
+/// The softcap of a scaled score as Burn's fallback computes it in `dtype`.
+fn unfused_cap(score: f32, spec: &Spec, dtype: DType) -> f32 {
+    let round = |x: f32| round_to(x, dtype);
+    match spec.softcap {
+        None => score,
+        Some(cap) => {
+            let cap = cap as f32;
+            round(round(round(score / cap).tanh()) * cap)
+        }
+    }
+}
+
 /// [`unfused_row`] over a whole call on host inputs (rows laid out `[batch, heads, seq_q]`).
-pub fn unfused_attention(inputs: &Inputs, causal: bool, scale: Option<f64>) -> Vec<f64> {
+pub fn unfused_attention(inputs: &Inputs, spec: impl Into<Spec>, scale: Option<f64>) -> Vec<f64> {
+    let spec = spec.into();
     let p = &inputs.problem;
     let scale = scale.unwrap_or(1.0 / (p.head_dim as f64).sqrt());
     let (d, dv) = (p.head_dim, p.value_dim);
     let mut out = Vec::with_capacity(p.out_dims().iter().product());
     for bh in 0..p.batch * p.heads {
-        let keys = &inputs.k[bh * p.seq_k * d..(bh + 1) * p.seq_k * d];
-        let values = &inputs.v[bh * p.seq_k * dv..(bh + 1) * p.seq_k * dv];
+        let kv = p.kv_index(bh);
+        let keys = &inputs.k[kv * p.seq_k * d..(kv + 1) * p.seq_k * d];
+        let values = &inputs.v[kv * p.seq_k * dv..(kv + 1) * p.seq_k * dv];
         for i in 0..p.seq_q {
             let q_row = &inputs.q[(bh * p.seq_q + i) * d..(bh * p.seq_q + i + 1) * d];
-            let visible = visible_keys(i, p.seq_q, p.seq_k, causal);
-            out.extend(unfused_row(
+            let seen = spec.visible(i, p.seq_q, p.seq_k);
+            out.extend(unfused_row_keys(
                 q_row,
                 keys,
                 values,
                 dv,
-                visible,
+                &seen,
                 scale,
+                &spec,
                 inputs.dtype,
             ));
         }
@@ -504,16 +715,19 @@ pub fn lse_error(got: &[f64], reference: &[f64]) -> Error {
 }
 
 /// Indices of the output rows (flattened `[batch, heads, seq_q]`) that see no key.
-pub fn masked_rows(p: &Problem, causal: bool) -> Vec<usize> {
+pub fn masked_rows(p: &Problem, spec: impl Into<Spec>) -> Vec<usize> {
+    let spec = spec.into();
     (0..p.batch * p.heads * p.seq_q)
-        .filter(|row| visible_keys(row % p.seq_q, p.seq_q, p.seq_k, causal) == 0)
+        .filter(|row| spec.visible(row % p.seq_q, p.seq_q, p.seq_k).is_empty())
         .collect()
 }
 
 /// Reference gradients of `sum(grad_out ∘ attention(q, k, v))` with respect to `q`, `k` and `v`,
 /// in f64, by the textbook formulas on the full score matrix of each head: `P = softmax(S)`,
-/// `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − rowsum(dP ∘ P))`, `dQ = scale·dS·K`,
-/// `dK = scale·dSᵀ·Q`. Rows that see no key have zero gradients.
+/// `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − rowsum(dP ∘ P))`, times the softcap's
+/// derivative `1 − tanh²` where there is one, `dQ = scale·dS·K`, `dK = scale·dSᵀ·Q`; key/value
+/// gradients summed over the query heads that read them. Rows that see no key have zero
+/// gradients.
 #[allow(clippy::too_many_arguments)]
 pub fn reference_grads(
     p: &Problem,
@@ -521,48 +735,52 @@ pub fn reference_grads(
     k: &[f64],
     v: &[f64],
     grad_out: &[f64],
-    causal: bool,
+    spec: impl Into<Spec>,
     scale: Option<f64>,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let spec = spec.into();
     let scale = scale.unwrap_or(1.0 / (p.head_dim as f64).sqrt());
     let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
     let mut dq = vec![0.0; q.len()];
     let mut dk = vec![0.0; k.len()];
     let mut dvs = vec![0.0; v.len()];
     for bh in 0..p.batch * p.heads {
-        let (qo, ko, vo, go) = (bh * sq * d, bh * sk * d, bh * sk * dv, bh * sq * dv);
+        let kv = p.kv_index(bh);
+        let (qo, ko, vo, go) = (bh * sq * d, kv * sk * d, kv * sk * dv, bh * sq * dv);
         for i in 0..sq {
-            let visible = visible_keys(i, sq, sk, causal);
-            if visible == 0 {
+            let seen = spec.visible(i, sq, sk);
+            if seen.is_empty() {
                 continue;
             }
             let q_row = &q[qo + i * d..qo + (i + 1) * d];
             let g_row = &grad_out[go + i * dv..go + (i + 1) * dv];
-            let scores: Vec<f64> = (0..visible)
-                .map(|j| {
+            let (scores, slopes): (Vec<f64>, Vec<f64>) = seen
+                .iter()
+                .map(|&j| {
                     let key = &k[ko + j * d..ko + (j + 1) * d];
-                    scale * q_row.iter().zip(key).map(|(a, b)| a * b).sum::<f64>()
+                    spec.cap(scale * q_row.iter().zip(key).map(|(a, b)| a * b).sum::<f64>())
                 })
-                .collect();
+                .unzip();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let sum: f64 = weights.iter().sum();
             let probs: Vec<f64> = weights.iter().map(|w| w / sum).collect();
-            let dp: Vec<f64> = (0..visible)
-                .map(|j| {
+            let dp: Vec<f64> = seen
+                .iter()
+                .map(|&j| {
                     let value = &v[vo + j * dv..vo + (j + 1) * dv];
                     g_row.iter().zip(value).map(|(a, b)| a * b).sum::<f64>()
                 })
                 .collect();
             let row_dot: f64 = probs.iter().zip(&dp).map(|(a, b)| a * b).sum();
-            for j in 0..visible {
-                let ds = probs[j] * (dp[j] - row_dot);
+            for (n, &j) in seen.iter().enumerate() {
+                let ds = probs[n] * (dp[n] - row_dot) * slopes[n];
                 for c in 0..d {
                     dq[qo + i * d + c] += scale * ds * k[ko + j * d + c];
                     dk[ko + j * d + c] += scale * ds * q_row[c];
                 }
                 for c in 0..dv {
-                    dvs[vo + j * dv + c] += probs[j] * g_row[c];
+                    dvs[vo + j * dv + c] += probs[n] * g_row[c];
                 }
             }
         }
@@ -572,15 +790,17 @@ pub fn reference_grads(
 
 /// Gradients of the unfused attention in low precision, emulated on the CPU: the steps of Burn's
 /// autodiff through `attention_fallback` (`P` as in [`unfused_row`]; `dV = Pᵀ·dO`,
-/// `dP = dO·Vᵀ`, `dS = P ∘ (dP − rowsum(dP ∘ P))`, `dS · scale`, `dQ = dS·K`, `dK = dSᵀ·Q`),
-/// each intermediate rounded to the inputs' dtype, f32 accumulation inside products and sums.
-/// The baseline of the FlashAttention test rule for gradients on small shapes, where running
-/// Burn's own autodiff would cost an autotune per odd length.
+/// `dP = dO·Vᵀ`, `dS = P ∘ (dP − rowsum(dP ∘ P))`, the softcap's chain rule, `dS · scale`,
+/// `dQ = dS·K`, `dK = dSᵀ·Q`, key/value gradients of a group summed as the backward of an
+/// expand does), each intermediate rounded to the inputs' dtype, f32 accumulation inside products
+/// and sums. The baseline of the FlashAttention test rule for gradients on small shapes, where
+/// running Burn's own autodiff would cost an autotune per odd length.
 pub fn unfused_grads(
     inputs: &Inputs,
     grad_out: &[f32],
-    causal: bool,
+    spec: impl Into<Spec>,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let spec = spec.into();
     let p = &inputs.problem;
     let dtype = inputs.dtype;
     let round = |x: f32| round_to(x, dtype);
@@ -591,7 +811,8 @@ pub fn unfused_grads(
     let mut dk = vec![0f32; inputs.k.len()];
     let mut dvs = vec![0f32; inputs.v.len()];
     for bh in 0..p.batch * p.heads {
-        let (qo, ko, vo, go) = (bh * sq * d, bh * sk * d, bh * sk * dv, bh * sq * dv);
+        let kv = p.kv_index(bh);
+        let (qo, ko, vo, go) = (bh * sq * d, kv * sk * d, kv * sk * dv, bh * sq * dv);
         let q = &inputs.q[qo..qo + sq * d];
         let k = &inputs.k[ko..ko + sk * d];
         let v = &inputs.v[vo..vo + sk * dv];
@@ -600,33 +821,44 @@ pub fn unfused_grads(
         let mut ds = vec![0f32; sq * sk];
         let mut probs = vec![0f32; sq * sk];
         for i in 0..sq {
-            let visible = visible_keys(i, sq, sk, causal);
-            if visible == 0 {
+            let seen = spec.visible(i, sq, sk);
+            if seen.is_empty() {
                 continue;
             }
             let q_row = &q[i * d..(i + 1) * d];
-            let scores: Vec<f32> = (0..visible)
-                .map(|j| round(round(dot(q_row, &k[j * d..(j + 1) * d])) * scale))
+            let raw: Vec<f32> = seen
+                .iter()
+                .map(|&j| round(round(dot(q_row, &k[j * d..(j + 1) * d])) * scale))
                 .collect();
+            let scores: Vec<f32> = raw.iter().map(|&s| unfused_cap(s, &spec, dtype)).collect();
             let row = rounded_softmax(&scores, dtype);
             let g_row = &g[i * dv..(i + 1) * dv];
-            let dp: Vec<f32> = (0..visible)
-                .map(|j| round(dot(g_row, &v[j * dv..(j + 1) * dv])))
+            let dp: Vec<f32> = seen
+                .iter()
+                .map(|&j| round(dot(g_row, &v[j * dv..(j + 1) * dv])))
                 .collect();
             let row_dot = round(row.iter().zip(&dp).map(|(a, b)| round(a * b)).sum::<f32>());
-            for j in 0..visible {
-                probs[i * sk + j] = row[j];
-                ds[i * sk + j] = round(round(row[j] * round(dp[j] - row_dot)) * scale);
+            for (n, &j) in seen.iter().enumerate() {
+                probs[i * sk + j] = row[n];
+                let mut grad = round(row[n] * round(dp[n] - row_dot));
+                if let Some(cap) = spec.softcap {
+                    let cap = cap as f32;
+                    let t = round(round(raw[n] / cap).tanh());
+                    grad = round(round(round(grad * cap) * round(1.0 - t * t)) / cap);
+                }
+                ds[i * sk + j] = round(grad * scale);
             }
         }
         for j in 0..sk {
             for c in 0..dv {
                 let acc = (0..sq).fold(0f32, |acc, i| acc + probs[i * sk + j] * g[i * dv + c]);
-                dvs[vo + j * dv + c] = round(acc);
+                let at = vo + j * dv + c;
+                dvs[at] = round(dvs[at] + round(acc));
             }
             for c in 0..d {
                 let acc = (0..sq).fold(0f32, |acc, i| acc + ds[i * sk + j] * q[i * d + c]);
-                dk[ko + j * d + c] = round(acc);
+                let at = ko + j * d + c;
+                dk[at] = round(dk[at] + round(acc));
             }
         }
         for i in 0..sq {
@@ -638,4 +870,44 @@ pub fn unfused_grads(
     }
     let widen = |x: Vec<f32>| x.into_iter().map(f64::from).collect();
     (widen(dq), widen(dk), widen(dvs))
+}
+
+/// Check [`reference_grads`] against central finite differences of [`reference_attention`] on
+/// the loss `Σ g ∘ attention(q, k, v)`, every input element, in f64; panics on a mismatch.
+pub fn check_reference_grads_by_differences(
+    problem: &Problem,
+    spec: Spec,
+    scale: Option<f64>,
+    seed: u64,
+) {
+    let inputs = Inputs::random(*problem, DType::F32, seed);
+    let widen = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
+    let (q, k, v) = (widen(&inputs.q), widen(&inputs.k), widen(&inputs.v));
+    let g = widen(&random_normal(
+        problem.out_dims().iter().product(),
+        seed ^ 0xD1FF,
+        DType::F32,
+    ));
+    let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
+        let (out, _) = reference_attention(problem, q, k, v, spec, scale);
+        out.iter().zip(&g).map(|(o, g)| o * g).sum()
+    };
+    let (dq, dk, dv) = reference_grads(problem, &q, &k, &v, &g, spec, scale);
+    let h = 1e-6;
+    for (which, analytic) in [(0, &dq), (1, &dk), (2, &dv)] {
+        for index in 0..analytic.len() {
+            let mut plus = [q.clone(), k.clone(), v.clone()];
+            let mut minus = plus.clone();
+            plus[which][index] += h;
+            minus[which][index] -= h;
+            let numeric = (loss(&plus[0], &plus[1], &plus[2])
+                - loss(&minus[0], &minus[1], &minus[2]))
+                / (2.0 * h);
+            assert!(
+                (numeric - analytic[index]).abs() <= 1e-6 * (1.0 + numeric.abs()),
+                "{problem} {spec}: input {which} index {index}: numeric {numeric}, analytic {}",
+                analytic[index]
+            );
+        }
+    }
 }

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::sync::Mutex;
 
 use burn::tensor::module::attention_fallback;
-use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn::tensor::{Bool, DType, Tensor, TensorData, TensorPrimitive};
 
 use crate::backend::{FlashAttentionBackend, FlashAttentionProblem};
 use crate::{FlashAttentionError, FlashAttentionOptions, TilePath};
@@ -86,10 +86,13 @@ pub fn flash_attention_plan<B: FlashAttentionBackend>(
     plan(q, k, v, options).map(|plan| plan.route)
 }
 
-/// Fused attention, `softmax(scale · Q·Kᵀ [+ causal mask]) · V`, on `[batch, heads, seq,
-/// head_dim]` tensors: `q: [b, h, seq_q, d]`, `k: [b, h, seq_k, d]`, `v: [b, h, seq_k, dv]`,
-/// output `[b, h, seq_q, dv]` in the inputs' dtype. The conventions are those of
-/// `burn::tensor::module::attention` (see [`FlashAttentionOptions`]).
+/// Fused attention, `softmax(scale · Q·Kᵀ [+ mask]) · V`, on `[batch, heads, seq, head_dim]`
+/// tensors: `q: [b, h, seq_q, d]`, `k: [b, hkv, seq_k, d]`, `v: [b, hkv, seq_k, dv]`, output
+/// `[b, h, seq_q, dv]` in the inputs' dtype. `h` is a multiple of `hkv`: query head `i` reads
+/// key/value head `i / (h / hkv)` (grouped-query attention; `hkv == h` is plain multi-head
+/// attention), without copying K and V. The conventions are those of
+/// `burn::tensor::module::attention`; the causal mask, the sliding window and the softcap are
+/// options (see [`FlashAttentionOptions`]).
 ///
 /// - Runs the fused kernel when the backend supports the inputs; otherwise Burn's unfused
 ///   `attention_fallback`, logging the reason once per distinct reason (`log::warn!`).
@@ -129,10 +132,11 @@ pub fn flash_attention<B: FlashAttentionBackend>(
     }
 }
 
-/// [`flash_attention`], returning an error instead of panicking on invalid inputs: batch or
-/// heads that differ between `q`, `k` and `v`, head dims of `q` and `k` that differ, sequence
-/// lengths of `k` and `v` that differ, different devices or dtypes, a dtype other than f16,
-/// bf16 and f32, a scale that is not finite and positive.
+/// [`flash_attention`], returning an error instead of panicking on invalid inputs: batch sizes
+/// that differ between `q`, `k` and `v`, key/value heads that differ or do not divide the query
+/// heads, head dims of `q` and `k` that differ, sequence lengths of `k` and `v` that differ,
+/// different devices or dtypes, a dtype other than f16, bf16 and f32, a scale or softcap that is
+/// not finite and positive.
 ///
 /// # Example
 ///
@@ -159,10 +163,7 @@ pub fn try_flash_attention<B: FlashAttentionBackend>(
         scale,
         route,
     } = plan(&q, &k, &v, options)?;
-    let options = FlashAttentionOptions {
-        causal: p.causal,
-        scale: Some(scale),
-    };
+    let options = options.with_scale(scale);
     let device = q.device();
     if route == FlashAttentionPlan::Zeros {
         let shape = [p.batch, p.heads, p.seq_q, p.value_dim];
@@ -190,10 +191,39 @@ pub fn try_flash_attention<B: FlashAttentionBackend>(
         }
         FlashAttentionPlan::Fallback(reason) => {
             warn_once(&reason);
-            attention_fallback(q, k, v, None, None, options.into())
+            fallback(q, k, v, options)
         }
         FlashAttentionPlan::Zeros => unreachable!("returned above"),
     })
+}
+
+/// Burn's unfused attention with the same semantics: key/value heads repeated for their query
+/// heads, the window turned into a mask.
+fn fallback<B: FlashAttentionBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    options: FlashAttentionOptions,
+) -> Tensor<B, 4> {
+    let ([batch, heads, seq_q, _], [_, kv_heads, seq_k, _]) = (q.dims(), k.dims());
+    let expand = |t: Tensor<B, 4>| {
+        if kv_heads == heads {
+            return t;
+        }
+        let [_, _, seq, dim] = t.dims();
+        t.unsqueeze_dim::<5>(2)
+            .expand([batch, kv_heads, heads / kv_heads, seq, dim])
+            .reshape([batch, heads, seq, dim])
+    };
+    let mask = options.window.map(|_| {
+        let hidden: Vec<bool> = (0..seq_q * seq_k)
+            .map(|at| !options.sees(at / seq_k, at % seq_k, seq_q, seq_k))
+            .collect();
+        Tensor::<B, 2, Bool>::from_data(TensorData::new(hidden, [seq_q, seq_k]), &q.device())
+            .unsqueeze::<4>()
+            .expand([batch, heads, seq_q, seq_k])
+    });
+    attention_fallback(q, expand(k), expand(v), mask, None, options.into())
 }
 
 /// A validated call: the problem the backend sees, the resolved scale and the path.
@@ -210,11 +240,15 @@ fn plan<B: FlashAttentionBackend>(
     options: FlashAttentionOptions,
 ) -> Result<Plan, FlashAttentionError> {
     let dtype = validate(q, k, v)?;
-    if let Some(scale) = options.scale {
-        let single = scale as f32;
-        if !(scale.is_finite() && scale > 0.0 && single.is_finite() && single > 0.0) {
-            return Err(FlashAttentionError::InvalidScale(scale));
-        }
+    if options.scale.is_some_and(|scale| !positive_f32(scale)) {
+        return Err(FlashAttentionError::InvalidScale(
+            options.scale.unwrap_or_default(),
+        ));
+    }
+    if options.softcap.is_some_and(|cap| !positive_f32(cap)) {
+        return Err(FlashAttentionError::InvalidSoftcap(
+            options.softcap.unwrap_or_default(),
+        ));
     }
     let mut problem =
         FlashAttentionProblem::new(q.dims(), k.dims(), v.dims(), dtype, options.causal);
@@ -243,6 +277,12 @@ fn plan<B: FlashAttentionBackend>(
         scale,
         route,
     })
+}
+
+/// Whether `value` is finite and positive, also once rounded to the kernels' f32.
+fn positive_f32(value: f64) -> bool {
+    let single = value as f32;
+    value.is_finite() && value > 0.0 && single.is_finite() && single > 0.0
 }
 
 /// The checks the type system leaves: dtypes, devices, shapes. Returns the common dtype.
@@ -280,7 +320,8 @@ fn validate<B: FlashAttentionBackend>(
             v: vb,
         });
     }
-    if qh != kh || qh != vh {
+    // Grouped-query attention: each key/value head serves `qh / kh` query heads.
+    if kh != vh || (kh == 0 && qh != 0) || (kh != 0 && !qh.is_multiple_of(kh)) {
         return Err(FlashAttentionError::HeadsMismatch {
             q: qh,
             k: kh,

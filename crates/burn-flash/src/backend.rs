@@ -10,7 +10,8 @@ use crate::{FlashAttentionOptions, TilePath};
 /// its fused kernel can run it ([`FlashAttentionBackend::flash_attention_support`]).
 ///
 /// `q: [batch, heads, seq_q, head_dim]`, `k: [batch, kv_heads, seq_k, head_dim]`,
-/// `v: [batch, kv_heads, seq_k, value_dim]`. Today `kv_heads == heads`.
+/// `v: [batch, kv_heads, seq_k, value_dim]`, `heads` a multiple of `kv_heads` (grouped-query
+/// attention when they differ).
 ///
 /// # Example
 ///
@@ -34,7 +35,7 @@ pub struct FlashAttentionProblem {
     pub batch: usize,
     /// Query heads.
     pub heads: usize,
-    /// Key/value heads (equal to `heads` for now).
+    /// Key/value heads (`heads` is a multiple of it).
     pub kv_heads: usize,
     /// Query sequence length.
     pub seq_q: usize,

@@ -36,7 +36,9 @@ pub enum FlashAttentionError {
         /// Batch size of `v`.
         v: usize,
     },
-    /// `q`, `k` and `v` do not have the same number of heads (dim 1).
+    /// The heads (dim 1) do not fit together: `k` and `v` must have the same number, and the
+    /// query heads must be a multiple of it (grouped-query attention; equal counts are plain
+    /// multi-head attention).
     HeadsMismatch {
         /// Heads of `q`.
         q: usize,
@@ -81,6 +83,8 @@ pub enum FlashAttentionError {
     UnsupportedDType(DType),
     /// The scale is not finite and positive.
     InvalidScale(f64),
+    /// The softcap is not finite and positive.
+    InvalidSoftcap(f64),
 }
 
 impl fmt::Display for FlashAttentionError {
@@ -93,7 +97,8 @@ impl fmt::Display for FlashAttentionError {
             ),
             Self::HeadsMismatch { q, k, v } => write!(
                 f,
-                "q, k and v must have the same number of heads (dim 1), got q {q}, k {k} and v {v}"
+                "k and v must have the same number of heads (dim 1), and q a multiple of it, \
+                 got q {q}, k {k} and v {v}"
             ),
             Self::HeadDimMismatch { q, k } => write!(
                 f,
@@ -116,6 +121,9 @@ impl fmt::Display for FlashAttentionError {
             }
             Self::InvalidScale(scale) => {
                 write!(f, "the scale must be finite and positive, got {scale}")
+            }
+            Self::InvalidSoftcap(cap) => {
+                write!(f, "the softcap must be finite and positive, got {cap}")
             }
         }
     }

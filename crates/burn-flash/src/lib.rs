@@ -1,9 +1,11 @@
 //! Fused FlashAttention for [Burn](https://burn.dev), written in CubeCL.
 //!
-//! [`flash_attention`] computes `softmax(scale · Q·Kᵀ [+ causal mask]) · V` on
+//! [`flash_attention`] computes `softmax(scale · Q·Kᵀ [+ mask]) · V` on
 //! `[batch, heads, seq, head_dim]` tensors in one kernel, without materialising the
 //! `seq_q × seq_k` score matrix, with the same conventions as
-//! `burn::tensor::module::attention`. It runs on the backends that implement
+//! `burn::tensor::module::attention`. [`FlashAttentionOptions`] adds to plain attention the
+//! causal mask, sliding windows ([`AttentionWindow`]) and the softcap of Gemma-2; `k` and `v`
+//! may have fewer heads than `q` (grouped-query and multi-query attention), read in place. It runs on the backends that implement
 //! [`FlashAttentionBackend`]: `burn::backend::Wgpu`, `burn::backend::Cuda` (feature `cuda`),
 //! and the bare `burn_cubecl::CubeBackend` under either.
 //!
@@ -28,7 +30,7 @@
 //! let [q, k, v] = [0, 1, 2].map(|_| {
 //!     Tensor::<Wgpu, 4>::random([4, 16, 1024, 64], Distribution::Normal(0.0, 1.0), &device)
 //! });
-//! let options = FlashAttentionOptions::causal();
+//! let options = FlashAttentionOptions::causal().with_sliding_window(255);
 //! println!("{}", flash_attention_plan(&q, &k, &v, options).unwrap());
 //! let out = flash_attention(q, k, v, options); // [4, 16, 1024, 64]
 //! ```
@@ -54,4 +56,4 @@ pub use backend::{
 };
 pub use error::FlashAttentionError;
 pub use kernel::TilePath;
-pub use options::FlashAttentionOptions;
+pub use options::{AttentionWindow, FlashAttentionOptions};

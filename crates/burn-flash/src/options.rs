@@ -2,7 +2,8 @@
 
 use burn::tensor::ops::AttentionModuleOptions;
 
-/// Options of [`flash_attention`](crate::flash_attention): causal masking and the softmax scale.
+/// Options of [`flash_attention`](crate::flash_attention): causal masking, sliding window, the
+/// softmax scale and the softcap.
 ///
 /// The conventions are those of Burn's `burn::tensor::module::attention`:
 ///
@@ -13,8 +14,14 @@ use burn::tensor::ops::AttentionModuleOptions;
 ///   an output of 0, not NaN.
 /// - `scale`: the factor applied to `Q·Kᵀ` before the softmax; `None` means
 ///   `1 / sqrt(head_dim)`. It must be finite and positive.
+/// - `window`: a band of keys around each query's diagonal (key `i + seq_k - seq_q` for query
+///   `i`, the same bottom-right alignment as the causal mask); keys outside it are hidden. See
+///   [`AttentionWindow`]. Combined with `causal`, the band ends at the diagonal.
+/// - `softcap`: scores become `softcap · tanh(scale · q·k / softcap)` before the softmax
+///   (Gemma-2), as Burn's `AttentionModuleOptions::softcap`. It must be finite and positive.
 ///
-/// The default is not causal, with the default scale.
+/// The default is not causal, no window, the default scale, no softcap. The type may gain fields:
+/// build it with [`new`](Self::new) or [`causal`](Self::causal) and the `with_*` methods.
 ///
 /// # Example
 ///
@@ -27,11 +34,78 @@ use burn::tensor::ops::AttentionModuleOptions;
 /// assert_eq!(FlashAttentionOptions::default().scale_for(64), 0.125);
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct FlashAttentionOptions {
     /// Apply the causal mask, aligned bottom-right (see the type's documentation).
     pub causal: bool,
     /// Scale applied to `Q·Kᵀ`; `None` means `1 / sqrt(head_dim)`.
     pub scale: Option<f64>,
+    /// Hide keys outside a band around each query's diagonal; `None`: no band.
+    pub window: Option<AttentionWindow>,
+    /// Cap the scaled scores at `±softcap` through `softcap · tanh(s / softcap)`; `None`: no cap.
+    pub softcap: Option<f64>,
+}
+
+/// A band of visible keys around each query's diagonal (local, or sliding-window, attention):
+/// query `i` sees key `j` when `diag - left <= j <= diag + right`, with
+/// `diag = i + seq_k - seq_q` (bottom-right aligned, as the causal mask). A side that is `None`
+/// is unbounded. With causal masking the right side is 0 whatever it says here.
+///
+/// Mistral's sliding window of `w` tokens (each token sees itself and the `w - 1` before it) is
+/// `FlashAttentionOptions::causal().with_sliding_window(w - 1)`.
+///
+/// # Example
+///
+/// ```
+/// use burn_flash::{AttentionWindow, FlashAttentionOptions};
+///
+/// // Each query sees the 128 keys before its diagonal, the diagonal and the 16 after it.
+/// let options = FlashAttentionOptions::new().with_window(AttentionWindow::new(Some(128), Some(16)));
+/// assert_eq!(options.window.unwrap().left, Some(128));
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AttentionWindow {
+    /// Keys before the diagonal that stay visible; `None`: all of them.
+    pub left: Option<usize>,
+    /// Keys after the diagonal that stay visible; `None`: all of them.
+    pub right: Option<usize>,
+}
+
+impl AttentionWindow {
+    /// The band `[diag - left, diag + right]`, `None` sides unbounded.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::AttentionWindow;
+    ///
+    /// let window = AttentionWindow::new(Some(3), None);
+    /// assert!(window.sees(10, 7, 20, 20)); // 3 keys before the diagonal
+    /// assert!(!window.sees(10, 6, 20, 20));
+    /// assert!(window.sees(10, 19, 20, 20)); // unbounded on the right
+    /// ```
+    pub fn new(left: Option<usize>, right: Option<usize>) -> Self {
+        Self { left, right }
+    }
+
+    /// Whether query `query` of `seq_q` sees key `key` of `seq_k` through this band (the causal
+    /// mask aside).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::AttentionWindow;
+    ///
+    /// // 4 queries over 6 keys: the diagonal of query 0 is key 2.
+    /// let window = AttentionWindow::new(Some(1), Some(0));
+    /// assert!(window.sees(0, 1, 4, 6) && window.sees(0, 2, 4, 6));
+    /// assert!(!window.sees(0, 0, 4, 6) && !window.sees(0, 3, 4, 6));
+    /// ```
+    pub fn sees(&self, query: usize, key: usize, seq_q: usize, seq_k: usize) -> bool {
+        let (diag, key) = (query as i128 + seq_k as i128 - seq_q as i128, key as i128);
+        self.left.is_none_or(|left| key >= diag - left as i128)
+            && self.right.is_none_or(|right| key <= diag + right as i128)
+    }
 }
 
 impl FlashAttentionOptions {
@@ -59,10 +133,7 @@ impl FlashAttentionOptions {
     /// assert!(options.causal && options.scale.is_none());
     /// ```
     pub fn causal() -> Self {
-        Self {
-            causal: true,
-            scale: None,
-        }
+        Self::default().with_causal(true)
     }
 
     /// These options with causal masking switched on or off.
@@ -96,6 +167,70 @@ impl FlashAttentionOptions {
         self
     }
 
+    /// These options with a band of visible keys around each query's diagonal.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::{AttentionWindow, FlashAttentionOptions};
+    ///
+    /// let options = FlashAttentionOptions::new().with_window(AttentionWindow::new(Some(64), Some(64)));
+    /// assert_eq!(options.window, Some(AttentionWindow::new(Some(64), Some(64))));
+    /// ```
+    pub fn with_window(mut self, window: AttentionWindow) -> Self {
+        self.window = Some(window);
+        self
+    }
+
+    /// These options with a sliding window: each query sees the `left` keys before its diagonal
+    /// and the diagonal (plus, unless causal, every key after it). With
+    /// [`causal`](Self::causal), `with_sliding_window(w - 1)` is Mistral's window of `w`.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::FlashAttentionOptions;
+    ///
+    /// let options = FlashAttentionOptions::causal().with_sliding_window(4095);
+    /// assert_eq!(options.window.unwrap().left, Some(4095));
+    /// ```
+    pub fn with_sliding_window(self, left: usize) -> Self {
+        self.with_window(AttentionWindow::new(Some(left), None))
+    }
+
+    /// These options with a softcap: scores `s` (already scaled) become
+    /// `softcap · tanh(s / softcap)` (finite and positive, checked when the attention runs).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::FlashAttentionOptions;
+    ///
+    /// let options = FlashAttentionOptions::causal().with_softcap(50.0);
+    /// assert_eq!(options.softcap, Some(50.0));
+    /// ```
+    pub fn with_softcap(mut self, softcap: f64) -> Self {
+        self.softcap = Some(softcap);
+        self
+    }
+
+    /// Whether query `query` of `seq_q` sees key `key` of `seq_k` under the causal mask and
+    /// the window.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::FlashAttentionOptions;
+    ///
+    /// let options = FlashAttentionOptions::causal().with_sliding_window(2);
+    /// let seen: Vec<usize> = (0..8).filter(|&key| options.sees(5, key, 8, 8)).collect();
+    /// assert_eq!(seen, [3, 4, 5]);
+    /// ```
+    pub fn sees(&self, query: usize, key: usize, seq_q: usize, seq_k: usize) -> bool {
+        let causal = !self.causal || key + seq_q <= query + seq_k;
+        causal && self.window.is_none_or(|w| w.sees(query, key, seq_q, seq_k))
+    }
+
     /// The scale that applies to inputs of this head dim: the explicit one, or
     /// `1 / sqrt(head_dim)`.
     ///
@@ -113,7 +248,8 @@ impl FlashAttentionOptions {
 }
 
 impl From<FlashAttentionOptions> for AttentionModuleOptions {
-    /// The equivalent options of Burn's own attention (no softcap).
+    /// The options of Burn's own attention that it shares: scale, causal, softcap. Burn has no
+    /// window option: a window becomes a mask (see [`FlashAttentionOptions::sees`]).
     ///
     /// # Example
     ///
@@ -127,7 +263,7 @@ impl From<FlashAttentionOptions> for AttentionModuleOptions {
     fn from(options: FlashAttentionOptions) -> Self {
         AttentionModuleOptions {
             scale: options.scale,
-            softcap: None,
+            softcap: options.softcap,
             is_causal: options.causal,
         }
     }

@@ -72,6 +72,26 @@ fn fused_matches_fallback_on_bare_cube_backend() {
     matches_fallback::<Bare>(&CASES[..2]);
 }
 
+/// Views that are not contiguous, as multi-head attention makes them (`[b, n, h, d]`
+/// projections with heads and sequence swapped, a transposed value): the launch makes them
+/// contiguous first.
+#[test]
+fn strided_inputs_are_made_contiguous() {
+    let device = WgpuDevice::default();
+    Wgpu::seed(&device, 9);
+    let heads_second = |dims| random::<Wgpu>(dims, &device).swap_dims(1, 2);
+    let q = heads_second([2, 37, 3, 64]);
+    let k = heads_second([2, 45, 3, 64]);
+    let v = random::<Wgpu>([2, 3, 64, 45], &device).swap_dims(2, 3);
+    let options = FlashAttentionOptions::causal();
+    assert!(flash_attention_plan(&q, &k, &v, options)
+        .unwrap()
+        .is_fused());
+    let expected = attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options.into());
+    let got = flash_attention(q, k, v, options);
+    assert!(max_diff(got, expected) < 1e-4);
+}
+
 #[test]
 fn custom_scale_is_used() {
     let device = WgpuDevice::default();

@@ -3,6 +3,7 @@
 
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
+use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use crate::backend::{
@@ -21,12 +22,6 @@ where
         device: &R::Device,
         problem: &FlashAttentionProblem,
     ) -> Result<TilePath, String> {
-        if problem.kv_heads != problem.heads {
-            return Err(format!(
-                "grouped key/value heads are not supported yet ({} query heads, {} key/value heads)",
-                problem.heads, problem.kv_heads
-            ));
-        }
         let client = R::client(device);
         kernel::support(&client, problem.dtype, problem.head_dim, problem.value_dim)
     }
@@ -37,9 +32,8 @@ where
         v: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> FlashAttentionForward<Self> {
-        let head_dim = q.shape()[3];
-        let scale = options.scale_for(head_dim) as f32;
-        let (output, lse) = kernel::forward(q, k, v, options.causal, scale);
+        let params = score_params(&q, &k, &options);
+        let (output, lse) = kernel::forward(q, k, v, params);
         FlashAttentionForward { output, lse }
     }
 
@@ -47,9 +41,6 @@ where
         device: &R::Device,
         problem: &FlashAttentionProblem,
     ) -> Result<(), String> {
-        if problem.kv_heads != problem.heads {
-            return Err("grouped key/value heads are not supported yet".into());
-        }
         let client = R::client(device);
         kernel::backward_support(&client, problem.dtype, problem.head_dim, problem.value_dim)
             .map(|_tile| ())
@@ -64,8 +55,18 @@ where
         grad_output: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> FlashAttentionGrads<Self> {
-        let scale = options.scale_for(q.shape()[3]) as f32;
-        let (q, k, v) = kernel::backward(q, k, v, output, lse, grad_output, options.causal, scale);
+        let params = score_params(&q, &k, &options);
+        let (q, k, v) = kernel::backward(q, k, v, output, lse, grad_output, params);
         FlashAttentionGrads { q, k, v }
     }
+}
+
+/// The kernels' view of `options` for these queries and keys.
+fn score_params<R: CubeRuntime>(
+    q: &CubeTensor<R>,
+    k: &CubeTensor<R>,
+    options: &FlashAttentionOptions,
+) -> kernel::ScoreParams {
+    let ([_, _, seq_q, head_dim], [_, _, seq_k, _]) = (q.shape().dims(), k.shape().dims());
+    kernel::ScoreParams::new(options, head_dim, seq_q, seq_k)
 }

@@ -44,8 +44,20 @@ pub struct TileConfig {
     /// each KV block instead of holding them in registers (head dim 128, where registers would
     /// not hold Q beside the scores and the output accumulators).
     pub query_in_smem: bool,
-    /// Skip KV blocks above the diagonal and mask the diagonal ones.
-    pub causal: bool,
+    /// Which bounds of the visible band exist (causal, sliding window).
+    pub mask: MaskConfig,
+    /// Scores pass through `softcap · tanh(s / softcap)` before the softmax.
+    pub softcap: bool,
+}
+
+/// Which bounds hide keys around the diagonal (see [`mask`](super::mask)); the offsets are
+/// runtime values.
+#[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
+pub struct MaskConfig {
+    /// Keys right of the diagonal by more than an offset are hidden (causal: offset 0).
+    pub right: bool,
+    /// Keys left of the diagonal by more than an offset are hidden (sliding window).
+    pub left: bool,
 }
 
 impl TileConfig {
@@ -54,7 +66,6 @@ impl TileConfig {
     pub fn tensor_core(
         head_dim: usize,
         value_dim: usize,
-        causal: bool,
         planes: usize,
         plane_rows: usize,
         block_kv: usize,
@@ -68,12 +79,13 @@ impl TileConfig {
             planes,
             plane_rows,
             query_in_smem: head_dim > 64,
-            causal,
+            mask: MaskConfig::default(),
+            softcap: false,
         }
     }
 
     /// Portable FMAs: one unit per query row; small KV stages fit 32 KiB of shared memory in f32.
-    pub fn portable(head_dim: usize, value_dim: usize, causal: bool) -> Self {
+    pub fn portable(head_dim: usize, value_dim: usize) -> Self {
         Self {
             tile: TilePath::Portable,
             head_dim,
@@ -83,7 +95,17 @@ impl TileConfig {
             planes: 1,
             plane_rows: 1,
             query_in_smem: false,
-            causal,
+            mask: MaskConfig::default(),
+            softcap: false,
+        }
+    }
+
+    /// These blocks with this masking and softcap.
+    pub fn with_scores(self, mask: MaskConfig, softcap: bool) -> Self {
+        Self {
+            mask,
+            softcap,
+            ..self
         }
     }
 
@@ -184,6 +206,56 @@ impl TileConfig {
         match self.tile {
             TilePath::TensorCore => 32 * self.planes,
             TilePath::Portable => self.block_q,
+        }
+    }
+}
+
+/// Runtime values of one call's score transform: the kernels specialise on `mask` and on whether
+/// `softcap` is set, and take the numbers as arguments.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScoreParams {
+    /// Factor of `Q·Kᵀ`.
+    pub scale: f32,
+    /// Which band bounds exist.
+    pub mask: MaskConfig,
+    /// Keys left of the diagonal that stay visible, when `mask.left`.
+    pub left: u32,
+    /// Keys right of the diagonal that stay visible, when `mask.right` (0 for causal).
+    pub right: u32,
+    /// The softcap, if any.
+    pub softcap: Option<f32>,
+}
+
+impl ScoreParams {
+    /// The kernel view of `options` for queries of `seq_q` rows over `seq_k` keys with this
+    /// head dim. A window side too wide to hide any key is dropped, so the kernels neither mask
+    /// nor skip for it, and kept offsets stay below `seq_q + seq_k` (no index overflow).
+    pub fn new(
+        options: &crate::FlashAttentionOptions,
+        head_dim: usize,
+        seq_q: usize,
+        seq_k: usize,
+    ) -> Self {
+        let window = options.window.unwrap_or_default();
+        // Query i sees keys from i + seq_k - seq_q - left: every key once left >= seq_k.
+        let left = window.left.filter(|&left| left < seq_k);
+        // ... up to i + seq_k - seq_q + right: every key once right >= seq_q.
+        let right = match (options.causal, window.right) {
+            (true, _) => Some(0),
+            (false, right) => right.filter(|&right| right < seq_q),
+        };
+        let offset = |value: Option<usize>| {
+            u32::try_from(value.unwrap_or(0)).expect("a window side shorter than the sequence")
+        };
+        Self {
+            scale: options.scale_for(head_dim) as f32,
+            mask: MaskConfig {
+                right: right.is_some(),
+                left: left.is_some(),
+            },
+            left: offset(left),
+            right: offset(right),
+            softcap: options.softcap.map(|cap| cap as f32),
         }
     }
 }

@@ -1,12 +1,13 @@
 //! Global level of the forward: one cube per (query block, head, batch). The cube loads its
-//! query block once, walks the KV blocks it can see (stopping at the causal diagonal), and writes
-//! the normalised output and the per-row log-sum-exp.
+//! query block once, walks the KV blocks its band lets it see (from the sliding window's left
+//! edge to the causal diagonal), and writes the normalised output and the per-row log-sum-exp.
+//! Grouped-query attention reads the key/value head `head / group` of its query head.
 
 use cubecl::prelude::*;
 
 use super::config::TileConfig;
-use super::mask::{apply_mask, block_needs_mask, kv_blocks};
-use super::softmax::{finish, init_stats, online_update, RowStats};
+use super::mask::{apply_mask, block_needs_mask, kv_blocks, Band};
+use super::softmax::{finish, init_stats, online_update, softcap_scores, RowStats, Softcap};
 use super::stage::{fetch_stage, load_block, StageBarriers};
 use super::tile::AttentionTile;
 use super::TilePath;
@@ -18,8 +19,8 @@ struct Coords {
     k_base: usize,
     v_base: usize,
     q_start: usize,
-    seq_q: usize,
-    seq_k: usize,
+    band: Band,
+    softcap: Softcap,
     /// `-inf`, passed in because WGSL has no literal for it.
     neg_inf: f32,
 }
@@ -36,19 +37,23 @@ pub fn flash_forward<E: Float, T: AttentionTile<E>>(
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
     scale: f32,
+    band_left: u32,
+    band_right: u32,
+    softcap: f32,
     neg_inf: f32,
     #[comptime] cfg: TileConfig,
     #[define(E)] _dtype: StorageType,
 ) {
     let batch = CUBE_POS_Z as usize;
     let head = CUBE_POS_Y as usize;
+    let kv_head = head / (q.shape(1) / k.shape(1));
     let coords = Coords {
         q_base: batch * q.stride(0) + head * q.stride(1),
-        k_base: batch * k.stride(0) + head * k.stride(1),
-        v_base: batch * v.stride(0) + head * v.stride(1),
+        k_base: batch * k.stride(0) + kv_head * k.stride(1),
+        v_base: batch * v.stride(0) + kv_head * v.stride(1),
         q_start: CUBE_POS_X as usize * cfg.block_q,
-        seq_q: q.shape(2),
-        seq_k: k.shape(2),
+        band: Band::new(q, k, band_left, band_right),
+        softcap: Softcap::new(scale, softcap),
         neg_inf,
     };
 
@@ -59,11 +64,15 @@ pub fn flash_forward<E: Float, T: AttentionTile<E>>(
         acc[reg] = 0.0;
     }
 
-    let blocks = kv_blocks(coords.q_start, coords.seq_q, coords.seq_k, cfg);
+    let (first, end) = kv_blocks(coords.band, coords.q_start, cfg);
     if comptime!(cfg.tile == TilePath::TensorCore) {
-        kv_loop_pipelined::<E, T>(q, k, v, coords, blocks, scale, &mut stats, &mut acc, cfg);
+        kv_loop_pipelined::<E, T>(
+            q, k, v, coords, first, end, scale, &mut stats, &mut acc, cfg,
+        );
     } else {
-        kv_loop::<E, T>(q, k, v, coords, blocks, scale, &mut stats, &mut acc, cfg);
+        kv_loop::<E, T>(
+            q, k, v, coords, first, end, scale, &mut stats, &mut acc, cfg,
+        );
     }
 
     let (inv_sum, row_lse) = finish::<E, T>(&stats, scale, neg_inf, cfg);
@@ -72,7 +81,7 @@ pub fn flash_forward<E: Float, T: AttentionTile<E>>(
     for reg in 0..cfg.out_regs() {
         let (row, col) = T::out_position(reg, cfg);
         let query_row = coords.q_start + row;
-        if query_row < coords.seq_q {
+        if query_row < coords.band.seq_q {
             let slot = comptime!(cfg.out_slot(reg));
             out[out_base + query_row * out.stride(2) + col] =
                 E::cast_from(acc[reg] * inv_sum[slot]);
@@ -83,7 +92,7 @@ pub fn flash_forward<E: Float, T: AttentionTile<E>>(
         #[unroll]
         for slot in 0..cfg.rows_per_unit() {
             let query_row = coords.q_start + T::slot_row(slot, cfg);
-            if query_row < coords.seq_q {
+            if query_row < coords.band.seq_q {
                 lse[lse_base + query_row * lse.stride(2)] = row_lse[slot];
             }
         }
@@ -106,21 +115,22 @@ fn attend_block<E: Float, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
 ) {
     let mut scores = T::scores(query, keys, stage * cfg.block_kv * cfg.head_dim, cfg);
+    if comptime!(cfg.softcap) {
+        softcap_scores(&mut scores, coords.softcap, cfg.score_regs());
+    }
     if block_needs_mask(
+        coords.band,
         coords.q_start,
         cfg.block_q,
         kv_start,
         cfg.block_kv,
-        coords.seq_q,
-        coords.seq_k,
-        cfg.causal,
+        cfg.mask,
     ) {
         apply_mask::<E, T>(
             &mut scores,
+            coords.band,
             coords.q_start,
             kv_start,
-            coords.seq_q,
-            coords.seq_k,
             coords.neg_inf,
             cfg,
         );
@@ -135,8 +145,9 @@ fn attend_block<E: Float, T: AttentionTile<E>>(
     );
 }
 
-/// Two shared-memory stages filled by asynchronous copies: block `j + 1` is in flight while
-/// block `j` is computed. The query block loads while the first KV block is in flight.
+/// Blocks `[first, end)` through two shared-memory stages filled by asynchronous copies: block
+/// `j + 1` is in flight while block `j` is computed. The query block loads while the first KV
+/// block is in flight.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
@@ -144,7 +155,8 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
     k: &Tensor<E>,
     v: &Tensor<E>,
     coords: Coords,
-    blocks: usize,
+    first: usize,
+    end: usize,
     scale: f32,
     stats: &mut RowStats,
     acc: &mut Array<f32>,
@@ -157,14 +169,14 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
     let barriers = StageBarriers::new();
     sync_cube();
 
-    if blocks > 0 {
+    if first < end {
         fetch_stage::<E>(
             k,
             coords.k_base,
             v,
             coords.v_base,
-            0,
-            coords.seq_k,
+            first * cfg.block_kv,
+            coords.band.seq_k,
             &mut keys,
             &mut values,
             0,
@@ -172,18 +184,18 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
             cfg,
         );
     }
-    let query = T::load_query(q, coords.q_base, coords.q_start, coords.seq_q, cfg);
-    for block in 0..blocks {
-        let stage = block % 2;
+    let query = T::load_query(q, coords.q_base, coords.q_start, coords.band.seq_q, cfg);
+    for block in first..end {
+        let stage = (block - first) % 2;
         barriers.wait(stage);
-        if block + 1 < blocks {
+        if block + 1 < end {
             fetch_stage::<E>(
                 k,
                 coords.k_base,
                 v,
                 coords.v_base,
                 (block + 1) * cfg.block_kv,
-                coords.seq_k,
+                coords.band.seq_k,
                 &mut keys,
                 &mut values,
                 1 - stage,
@@ -206,7 +218,8 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
     }
 }
 
-/// One shared-memory stage filled by plain loads, the cube synchronised around it.
+/// Blocks `[first, end)` through one shared-memory stage filled by plain loads, the cube
+/// synchronised around it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn kv_loop<E: Float, T: AttentionTile<E>>(
@@ -214,23 +227,24 @@ fn kv_loop<E: Float, T: AttentionTile<E>>(
     k: &Tensor<E>,
     v: &Tensor<E>,
     coords: Coords,
-    blocks: usize,
+    first: usize,
+    end: usize,
     scale: f32,
     stats: &mut RowStats,
     acc: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
 ) {
-    let query = T::load_query(q, coords.q_base, coords.q_start, coords.seq_q, cfg);
+    let query = T::load_query(q, coords.q_base, coords.q_start, coords.band.seq_q, cfg);
     let mut keys = SharedMemory::<E>::new(cfg.block_kv * cfg.head_dim);
     let mut values = SharedMemory::<E>::new(cfg.block_kv * cfg.value_dim);
-    for block in 0..blocks {
+    for block in first..end {
         let first_row = block * cfg.block_kv;
         sync_cube();
         load_block::<E>(
             k,
             coords.k_base,
             first_row,
-            coords.seq_k,
+            coords.band.seq_k,
             &mut keys,
             cfg.block_kv,
             cfg.head_dim,
@@ -241,7 +255,7 @@ fn kv_loop<E: Float, T: AttentionTile<E>>(
             v,
             coords.v_base,
             first_row,
-            coords.seq_k,
+            coords.band.seq_k,
             &mut values,
             cfg.block_kv,
             cfg.value_dim,

@@ -9,7 +9,7 @@ use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use cubecl::features::{MmaConfig, Plane};
 use cubecl::prelude::*;
 
-use super::config::{TileConfig, CHUNK};
+use super::config::{ScoreParams, TileConfig, CHUNK};
 use super::forward::flash_forward;
 use super::tile::{MmaTile, PortableTile};
 use super::TilePath;
@@ -26,7 +26,7 @@ pub fn support<R: CubeRuntime>(
     value_dim: usize,
 ) -> Result<TilePath, String> {
     let tile = usable_tile(client, dtype, head_dim, value_dim)?;
-    let cfg = forward_config(tile, head_dim, value_dim, false);
+    let cfg = forward_config(tile, head_dim, value_dim);
     fits_shared(client, "forward", cfg.shared_bytes(dtype.size()))?;
     Ok(tile)
 }
@@ -100,10 +100,10 @@ pub(crate) fn fits_shared<R: CubeRuntime>(
 }
 
 /// The block shapes of a forward launch on `tile`.
-fn forward_config(tile: TilePath, head_dim: usize, value_dim: usize, causal: bool) -> TileConfig {
+fn forward_config(tile: TilePath, head_dim: usize, value_dim: usize) -> TileConfig {
     match tile {
-        TilePath::TensorCore => tensor_core_config(head_dim, value_dim, causal),
-        TilePath::Portable => TileConfig::portable(head_dim, value_dim, causal),
+        TilePath::TensorCore => tensor_core_config(head_dim, value_dim),
+        TilePath::Portable => TileConfig::portable(head_dim, value_dim),
     }
 }
 
@@ -149,25 +149,25 @@ pub(crate) fn check_copy_split(cfg: &TileConfig) {
 /// over 64-key stages, the shape measured fastest on the H100 at head dims 64 and 128
 /// (`docs/perf-notes.md`). `BURN_FLASH_TC_SHAPE=planes,plane_rows,block_kv` overrides
 /// them for tuning runs.
-fn tensor_core_config(head_dim: usize, value_dim: usize, causal: bool) -> TileConfig {
+fn tensor_core_config(head_dim: usize, value_dim: usize) -> TileConfig {
     static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
     let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_TC_SHAPE"));
     let (planes, plane_rows, block_kv) = shape.unwrap_or((4, 32, 64));
-    let cfg = TileConfig::tensor_core(head_dim, value_dim, causal, planes, plane_rows, block_kv);
+    let cfg = TileConfig::tensor_core(head_dim, value_dim, planes, plane_rows, block_kv);
     check_copy_split(&cfg);
     cfg
 }
 
-/// Run the fused forward. `q: [b, h, sq, d]`, `k: [b, h, sk, d]`, `v: [b, h, sk, dv]`, on one
-/// device with one dtype, accepted by [`support`]. Returns the output `[b, h, sq, dv]` in the
-/// input dtype and the log-sum-exp `[b, h, sq]` in f32 (natural log of Σ exp(scale·s); `-inf`
-/// for rows that see no key, whose output is 0).
+/// Run the fused forward. `q: [b, h, sq, d]`, `k: [b, hkv, sk, d]`, `v: [b, hkv, sk, dv]` (`h`
+/// a multiple of `hkv`), on one device with one dtype, accepted by [`support`]. Returns the
+/// output `[b, h, sq, dv]` in the input dtype and the log-sum-exp `[b, h, sq]` in f32 (natural
+/// log of Σ exp(scale·s) over the visible keys, `s` softcapped; `-inf` for rows that see no key,
+/// whose output is 0).
 pub fn forward<R: CubeRuntime>(
     q: CubeTensor<R>,
     k: CubeTensor<R>,
     v: CubeTensor<R>,
-    causal: bool,
-    scale: f32,
+    params: ScoreParams,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
     let dims = q.meta.shape().clone();
@@ -183,7 +183,8 @@ pub fn forward<R: CubeRuntime>(
         return (out, lse);
     }
 
-    let cfg = forward_config(tile, head_dim, value_dim, causal);
+    let cfg = forward_config(tile, head_dim, value_dim)
+        .with_scores(params.mask, params.softcap.is_some());
     let cube_dim = cube_dim(&cfg);
     let cube_count = CubeCount::Static(
         seq_q.div_ceil(cfg.block_q) as u32,
@@ -211,7 +212,10 @@ pub fn forward<R: CubeRuntime>(
                 v.into_tensor_arg(),
                 out.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
-                scale,
+                params.scale,
+                params.left,
+                params.right,
+                params.softcap.unwrap_or(1.0),
                 f32::NEG_INFINITY,
                 cfg,
                 dtype,
@@ -226,7 +230,10 @@ pub fn forward<R: CubeRuntime>(
                 v.into_tensor_arg(),
                 out.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
-                scale,
+                params.scale,
+                params.left,
+                params.right,
+                params.softcap.unwrap_or(1.0),
                 f32::NEG_INFINITY,
                 cfg,
                 dtype,
@@ -351,12 +358,12 @@ mod tests {
             let v = Tensor::<B, 4>::random([1, 1, sk, d], Distribution::Normal(0.0, 1.0), &device);
             let data = |t: &Tensor<B, 4>| t.to_data().to_vec::<f32>().unwrap();
             let expected = reference(&data(&q), &data(&k), &data(&v), sq, sk, d, causal);
+            let options = crate::FlashAttentionOptions::new().with_causal(causal);
             let (out, _lse) = super::forward(
                 q.into_primitive().tensor(),
                 k.into_primitive().tensor(),
                 v.into_primitive().tensor(),
-                causal,
-                1.0 / (d as f32).sqrt(),
+                crate::kernel::ScoreParams::new(&options, d, sq, sk),
             );
             let out = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(out));
             let got = out.to_data().to_vec::<f32>().unwrap();

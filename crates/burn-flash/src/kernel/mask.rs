@@ -1,37 +1,132 @@
-//! Masking: which keys a query block sees. Causal attention is aligned bottom-right, as Burn's
-//! fallback: key `j` is visible to query `i` iff `j <= i + seq_k - seq_q`. Only blocks that cross
-//! the diagonal or the end of the keys are masked element by element; blocks wholly above the
-//! diagonal are never visited.
+//! Masking: which keys each query sees. Masks are aligned bottom-right, as Burn's fallback: the
+//! diagonal of query `i` is key `i + seq_k - seq_q`. A band around it bounds the visible keys:
+//! the causal mask hides keys right of the diagonal by more than `right` (0 when only causal), a
+//! sliding window hides keys left of it by more than `left`. Which bounds exist is comptime
+//! ([`MaskConfig`]); their offsets are runtime ([`Band`]).
+//!
+//! Only blocks that cross a bound or the end of the keys are masked element by element; blocks
+//! wholly outside the band are never visited. All comparisons add to both sides instead of
+//! subtracting, so unsigned indices never wrap.
 
 use cubecl::prelude::*;
 
-use super::config::TileConfig;
+use super::config::{MaskConfig, TileConfig};
 use super::tile::AttentionTile;
 
-/// Number of KV blocks the query block starting at `q_start` must visit.
+/// Lengths and band offsets of one (batch, head).
+#[derive(CubeType, Clone, Copy)]
+pub struct Band {
+    pub seq_q: usize,
+    pub seq_k: usize,
+    /// Keys left of the diagonal that stay visible (sliding window; unused without one).
+    pub left: usize,
+    /// Keys right of the diagonal that stay visible (0 for causal; unused without the bound).
+    pub right: usize,
+}
+
 #[cube]
-pub fn kv_blocks(q_start: usize, seq_q: usize, seq_k: usize, #[comptime] cfg: TileConfig) -> usize {
-    let q_end = min(q_start + cfg.block_q, seq_q);
-    visible_key_end(q_end, seq_q, seq_k, cfg.causal).div_ceil(cfg.block_kv)
+impl Band {
+    /// The band of queries `q` over keys `k` (`[batch, heads, seq, dim]`) with these offsets.
+    pub fn new<E: Float>(q: &Tensor<E>, k: &Tensor<E>, left: u32, right: u32) -> Band {
+        Band {
+            seq_q: q.shape(2),
+            seq_k: k.shape(2),
+            left: left as usize,
+            right: right as usize,
+        }
+    }
+}
+
+/// Whether query `query` sees key `key` (absolute rows); out-of-range rows see nothing.
+#[cube]
+pub fn key_visible(band: Band, query: usize, key: usize, #[comptime] mask: MaskConfig) -> bool {
+    let mut visible = query < band.seq_q && key < band.seq_k;
+    if comptime!(mask.right) {
+        visible = visible && key + band.seq_q <= query + band.seq_k + band.right;
+    }
+    if comptime!(mask.left) {
+        visible = visible && key + band.seq_q + band.left >= query + band.seq_k;
+    }
+    visible
+}
+
+/// The keys `[start, end)` that some query of `[q_start, q_end)` sees (`q_end > q_start`).
+#[cube]
+pub fn key_range(
+    band: Band,
+    q_start: usize,
+    q_end: usize,
+    #[comptime] mask: MaskConfig,
+) -> (usize, usize) {
+    let mut start = 0usize;
+    let mut end = band.seq_k;
+    if comptime!(mask.right) {
+        // The last query sees keys j < q_end + seq_k + right - seq_q.
+        let reach = q_end + band.seq_k + band.right;
+        end = min(select(reach > band.seq_q, reach - band.seq_q, 0usize), end);
+    }
+    if comptime!(mask.left) {
+        // The first query sees keys j >= q_start + seq_k - seq_q - left.
+        let reach = q_start + band.seq_k;
+        let floor = band.seq_q + band.left;
+        start = min(select(reach > floor, reach - floor, 0usize), end);
+    }
+    (start, end)
+}
+
+/// The queries `[start, end)` that see some key of `[k_start, k_end)` (`k_end > k_start`).
+#[cube]
+pub fn query_range(
+    band: Band,
+    k_start: usize,
+    k_end: usize,
+    #[comptime] mask: MaskConfig,
+) -> (usize, usize) {
+    let mut start = 0usize;
+    let mut end = band.seq_q;
+    if comptime!(mask.left) {
+        // Key j is seen by queries i <= j + seq_q - seq_k + left.
+        let reach = k_end + band.seq_q + band.left;
+        end = min(select(reach > band.seq_k, reach - band.seq_k, 0usize), end);
+    }
+    if comptime!(mask.right) {
+        // Key j is seen by queries i >= j + seq_q - seq_k - right.
+        let reach = k_start + band.seq_q;
+        let floor = band.seq_k + band.right;
+        start = min(select(reach > floor, reach - floor, 0usize), end);
+    }
+    (start, end)
+}
+
+/// Blocks of `cfg.block_kv` keys `[first, end)` the query block starting at `q_start` visits.
+#[cube]
+pub fn kv_blocks(band: Band, q_start: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {
+    let q_end = min(q_start + cfg.block_q, band.seq_q);
+    let (start, end) = key_range(band, q_start, q_end, cfg.mask);
+    (start / cfg.block_kv, end.div_ceil(cfg.block_kv))
 }
 
 /// Whether some pair of the `q_rows` queries from `q_start` and the `kv_rows` keys from
 /// `kv_start` is hidden or out of range: only such blocks are masked element by element.
 #[cube]
 pub fn block_needs_mask(
+    band: Band,
     q_start: usize,
     #[comptime] q_rows: usize,
     kv_start: usize,
     #[comptime] kv_rows: usize,
-    seq_q: usize,
-    seq_k: usize,
-    #[comptime] causal: bool,
+    #[comptime] mask: MaskConfig,
 ) -> bool {
     let kv_end = kv_start + kv_rows;
-    let mut needs = kv_end > seq_k || q_start + q_rows > seq_q;
-    if comptime!(causal) {
-        // The block's first query sees keys j < q_start + 1 + seq_k - seq_q.
-        needs = needs || kv_end + seq_q > q_start + 1 + seq_k;
+    let q_end = q_start + q_rows;
+    let mut needs = kv_end > band.seq_k || q_end > band.seq_q;
+    if comptime!(mask.right) {
+        // The first query hides keys j >= q_start + 1 + seq_k + right - seq_q.
+        needs = needs || kv_end + band.seq_q > q_start + 1 + band.seq_k + band.right;
+    }
+    if comptime!(mask.left) {
+        // The last query hides keys j < q_end - 1 + seq_k - seq_q - left.
+        needs = needs || kv_start + band.seq_q + band.left + 1 < q_end + band.seq_k;
     }
     needs
 }
@@ -40,70 +135,16 @@ pub fn block_needs_mask(
 #[cube]
 pub fn apply_mask<E: Float, T: AttentionTile<E>>(
     scores: &mut Array<f32>,
+    band: Band,
     q_start: usize,
     kv_start: usize,
-    seq_q: usize,
-    seq_k: usize,
     neg_inf: f32,
     #[comptime] cfg: TileConfig,
 ) {
     #[unroll]
     for reg in 0..cfg.score_regs() {
         let (row, col) = T::score_position(reg, cfg);
-        let key = kv_start + col;
-        let mut hidden = key >= seq_k;
-        if comptime!(cfg.causal) {
-            hidden = hidden || key + seq_q > q_start + row + seq_k;
-        }
-        scores[reg] = select(hidden, neg_inf, scores[reg]);
+        let visible = key_visible(band, q_start + row, kv_start + col, cfg.mask);
+        scores[reg] = select(visible, scores[reg], neg_inf);
     }
-}
-
-/// Whether query `query` sees key `key` (absolute rows), out-of-range rows seeing nothing.
-#[cube]
-pub fn key_visible(
-    query: usize,
-    key: usize,
-    seq_q: usize,
-    seq_k: usize,
-    #[comptime] causal: bool,
-) -> bool {
-    let mut visible = query < seq_q && key < seq_k;
-    if comptime!(causal) {
-        visible = visible && key + seq_q <= query + seq_k;
-    }
-    visible
-}
-
-/// End (exclusive) of the keys that queries `[.., q_end)` can see.
-#[cube]
-pub fn visible_key_end(
-    q_end: usize,
-    seq_q: usize,
-    seq_k: usize,
-    #[comptime] causal: bool,
-) -> usize {
-    let mut end = seq_k;
-    if comptime!(causal) {
-        let reach = q_end + seq_k;
-        end = min(select(reach > seq_q, reach - seq_q, 0usize), seq_k);
-    }
-    end
-}
-
-/// First query that can see key `key` (`seq_q` when none can).
-#[cube]
-pub fn first_seeing_query(
-    key: usize,
-    seq_q: usize,
-    seq_k: usize,
-    #[comptime] causal: bool,
-) -> usize {
-    let mut first = 0usize;
-    if comptime!(causal) {
-        // Query i sees key j iff i >= j + seq_q - seq_k.
-        let reach = key + seq_q;
-        first = min(select(reach > seq_k, reach - seq_k, 0usize), seq_q);
-    }
-    first
 }

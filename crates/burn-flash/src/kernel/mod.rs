@@ -11,6 +11,7 @@ mod stage;
 mod tile;
 
 pub use backward::{backward, backward_support};
+pub use config::ScoreParams;
 pub use launch::{forward, support};
 
 /// Which matrix tile a fused launch uses.

@@ -32,6 +32,36 @@ pub fn init_stats(neg_inf: f32, #[comptime] cfg: TileConfig) -> RowStats {
     RowStats { max, sum }
 }
 
+/// Softcap in raw score units: `s ↦ outer · tanh(inner · s)` with `inner = scale / cap` and
+/// `outer = cap / scale`, so that `scale · s ↦ cap · tanh(scale · s / cap)` (Gemma-2's
+/// softcap of the scaled logits) and everything downstream, which multiplies by `scale`, is
+/// unchanged.
+#[derive(CubeType, Clone, Copy)]
+pub struct Softcap {
+    pub inner: f32,
+    pub outer: f32,
+}
+
+#[cube]
+impl Softcap {
+    /// The softcap `cap` for scores scaled by `scale` (`cap` unused unless the config asks).
+    pub fn new(scale: f32, cap: f32) -> Softcap {
+        Softcap {
+            inner: scale / cap,
+            outer: cap / scale,
+        }
+    }
+}
+
+/// Apply the softcap to the first `regs` raw scores.
+#[cube]
+pub fn softcap_scores(scores: &mut Array<f32>, cap: Softcap, #[comptime] regs: usize) {
+    #[unroll]
+    for reg in 0..regs {
+        scores[reg] = cap.outer * (scores[reg] * cap.inner).tanh();
+    }
+}
+
 /// How far (in scaled score units) a row's running max may lag behind its true max before the
 /// output accumulators are rescaled: probabilities then reach at most e^8 ≈ 3·10³ before
 /// normalisation, far inside the range of f32 accumulators and of f16/bf16 P.

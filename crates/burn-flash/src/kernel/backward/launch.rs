@@ -10,7 +10,7 @@ use cubecl::prelude::*;
 use super::key_value::key_value_grads;
 use super::query::query_grads;
 use super::row_dot::row_dot;
-use crate::kernel::config::TileConfig;
+use crate::kernel::config::{ScoreParams, TileConfig};
 use crate::kernel::launch::{
     check_copy_split, cube_dim, fits_shared, output, shape_override, usable_tile,
 };
@@ -26,7 +26,7 @@ pub fn backward_support<R: CubeRuntime>(
     value_dim: usize,
 ) -> Result<TilePath, String> {
     let tile = usable_tile(client, dtype, head_dim, value_dim)?;
-    let cfg = backward_config(tile, head_dim, value_dim, false);
+    let cfg = backward_config(tile, head_dim, value_dim);
     fits_shared(client, "backward", cfg.backward_shared_bytes(dtype.size()))?;
     Ok(tile)
 }
@@ -35,18 +35,17 @@ pub fn backward_support<R: CubeRuntime>(
 /// 64-row stages (each plane holds two accumulators as wide as the head dim beside its two
 /// score-shaped tiles, so one m16 block per plane); `BURN_FLASH_BWD_SHAPE=planes,rows,kv`
 /// overrides it for tuning runs. Portable: 32 owned rows against 16-row stages, as the forward.
-fn backward_config(tile: TilePath, head_dim: usize, value_dim: usize, causal: bool) -> TileConfig {
+fn backward_config(tile: TilePath, head_dim: usize, value_dim: usize) -> TileConfig {
     match tile {
         TilePath::TensorCore => {
             static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
             let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_BWD_SHAPE"));
             let (planes, plane_rows, block_kv) = shape.unwrap_or((4, 16, 64));
-            let cfg =
-                TileConfig::tensor_core(head_dim, value_dim, causal, planes, plane_rows, block_kv);
+            let cfg = TileConfig::tensor_core(head_dim, value_dim, planes, plane_rows, block_kv);
             check_copy_split(&cfg);
             cfg
         }
-        TilePath::Portable => TileConfig::portable(head_dim, value_dim, causal),
+        TilePath::Portable => TileConfig::portable(head_dim, value_dim),
     }
 }
 
@@ -61,39 +60,40 @@ pub fn backward<R: CubeRuntime>(
     out: CubeTensor<R>,
     lse: CubeTensor<R>,
     d_out: CubeTensor<R>,
-    causal: bool,
-    scale: f32,
+    params: ScoreParams,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let [q, k, v, out, lse, d_out] = [q, k, v, out, lse, d_out].map(into_contiguous);
     let dims = q.meta.shape().clone();
     let (batch, heads, seq_q, head_dim) = (dims[0], dims[1], dims[2], dims[3]);
-    let (seq_k, value_dim) = (k.meta.shape()[2], v.meta.shape()[3]);
+    let (kv_heads, seq_k, value_dim) = (k.meta.shape()[1], k.meta.shape()[2], v.meta.shape()[3]);
     let client = q.client.clone();
     let dtype = q.dtype;
 
     let d_q = output(&q, Shape::new([batch, heads, seq_q, head_dim]), dtype);
-    let d_k = output(&q, Shape::new([batch, heads, seq_k, head_dim]), dtype);
-    let d_v = output(&q, Shape::new([batch, heads, seq_k, value_dim]), dtype);
+    let d_k = output(&q, Shape::new([batch, kv_heads, seq_k, head_dim]), dtype);
+    let d_v = output(&q, Shape::new([batch, kv_heads, seq_k, value_dim]), dtype);
     let delta = output(&q, Shape::new([batch, heads, seq_q]), DType::F32);
     if batch * heads == 0 {
         return (d_q, d_k, d_v);
     }
     let tile = backward_support(&client, dtype, head_dim, value_dim)
         .unwrap_or_else(|reason| panic!("fused backward launched on unsupported input: {reason}"));
-    let cfg = backward_config(tile, head_dim, value_dim, causal);
+    let cfg = backward_config(tile, head_dim, value_dim)
+        .with_scores(params.mask, params.softcap.is_some());
     let address = [&q, &k, &v, &out, &d_out, &d_q, &d_k, &d_v]
         .iter()
         .map(|t| t.required_address_type())
         .max()
         .unwrap_or_default();
     let elem: StorageType = dtype.into();
-    let grid = |rows: usize| {
+    let grid = |rows: usize, heads: usize| {
         CubeCount::Static(
             rows.div_ceil(cfg.block_q) as u32,
             heads as u32,
             batch as u32,
         )
     };
+    let softcap = params.softcap.unwrap_or(1.0);
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernels form is
     // bounded by the tensors' shapes (rows past the ends are clamped, zero-filled or skipped).
@@ -118,7 +118,7 @@ pub fn backward<R: CubeRuntime>(
                 if seq_k > 0 {
                     key_value_grads::launch_unchecked::<$tile, R>(
                         &client,
-                        grid(seq_k),
+                        grid(seq_k, kv_heads),
                         cube_dim(&cfg),
                         address,
                         q.clone().into_tensor_arg(),
@@ -129,7 +129,10 @@ pub fn backward<R: CubeRuntime>(
                         delta.clone().into_tensor_arg(),
                         d_k.clone().into_tensor_arg(),
                         d_v.clone().into_tensor_arg(),
-                        scale,
+                        params.scale,
+                        params.left,
+                        params.right,
+                        softcap,
                         cfg,
                         elem,
                     );
@@ -137,7 +140,7 @@ pub fn backward<R: CubeRuntime>(
                 if seq_q > 0 {
                     query_grads::launch_unchecked::<$tile, R>(
                         &client,
-                        grid(seq_q),
+                        grid(seq_q, heads),
                         cube_dim(&cfg),
                         address,
                         q.into_tensor_arg(),
@@ -147,7 +150,10 @@ pub fn backward<R: CubeRuntime>(
                         lse.into_tensor_arg(),
                         delta.into_tensor_arg(),
                         d_q.clone().into_tensor_arg(),
-                        scale,
+                        params.scale,
+                        params.left,
+                        params.right,
+                        softcap,
                         cfg,
                         elem,
                     );

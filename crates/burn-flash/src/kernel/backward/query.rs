@@ -1,11 +1,13 @@
-//! dQ: one cube per block of queries. The cube owns its queries and output gradients as tile
-//! operands and walks the key blocks they can see, staging K and V.
+//! dQ: one cube per block of queries of one head. The cube owns its queries and output gradients
+//! as tile operands and walks the key blocks of its key/value head that they can see, staging K
+//! and V.
 
 use cubecl::prelude::*;
 
-use super::walk::{walk, Span};
+use super::walk::{walk, Span, Sweep};
 use crate::kernel::config::TileConfig;
-use crate::kernel::mask::kv_blocks;
+use crate::kernel::mask::{kv_blocks, Band};
+use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
 
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -19,24 +21,27 @@ pub fn query_grads<E: Float, T: AttentionTile<E>>(
     delta: &Tensor<f32>,
     d_q: &mut Tensor<E>,
     scale: f32,
+    band_left: u32,
+    band_right: u32,
+    softcap: f32,
     #[comptime] cfg: TileConfig,
     #[define(E)] _dtype: StorageType,
 ) {
     let batch = CUBE_POS_Z as usize;
     let head = CUBE_POS_Y as usize;
+    let kv_head = head / (q.shape(1) / k.shape(1));
     let span = Span {
         owned_start: CUBE_POS_X as usize * cfg.block_q,
-        seq_q: q.shape(2),
-        seq_k: k.shape(2),
-        stat_base: batch * lse.stride(0) + head * lse.stride(1),
+        band: Band::new(q, k, band_left, band_right),
+        softcap: Softcap::new(scale, softcap),
     };
     let query_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
     let grad_cfg = comptime!(cfg.with_widths(cfg.value_dim, cfg.value_dim));
 
     let q_head = batch * q.stride(0) + head * q.stride(1);
     let g_head = batch * d_out.stride(0) + head * d_out.stride(1);
-    let queries = T::load_query(q, q_head, span.owned_start, span.seq_q, cfg);
-    let grads = T::load_query(d_out, g_head, span.owned_start, span.seq_q, grad_cfg);
+    let queries = T::load_query(q, q_head, span.owned_start, span.band.seq_q, cfg);
+    let grads = T::load_query(d_out, g_head, span.owned_start, span.band.seq_q, grad_cfg);
     let mut grad_q = Array::<f32>::new(query_cfg.out_regs());
     #[unroll]
     for reg in 0..query_cfg.out_regs() {
@@ -45,15 +50,24 @@ pub fn query_grads<E: Float, T: AttentionTile<E>>(
     // Owning queries, there is no second gradient.
     let mut unused = Array::<f32>::new(1usize);
 
+    let (first_block, end_block) = kv_blocks(span.band, span.owned_start, cfg);
+    let sweep = Sweep {
+        first_base: batch * k.stride(0) + kv_head * k.stride(1),
+        first_step: 0,
+        second_base: batch * v.stride(0) + kv_head * v.stride(1),
+        second_step: 0,
+        stat_base: batch * lse.stride(0) + head * lse.stride(1),
+        stat_step: 0,
+        members: 1,
+        first_block,
+        end_block,
+    };
     walk::<E, T>(
         &queries,
         &grads,
         k,
-        batch * k.stride(0) + head * k.stride(1),
         v,
-        batch * v.stride(0) + head * v.stride(1),
-        0,
-        kv_blocks(span.owned_start, span.seq_q, span.seq_k, cfg),
+        sweep,
         lse,
         delta,
         span,
@@ -69,7 +83,7 @@ pub fn query_grads<E: Float, T: AttentionTile<E>>(
     for reg in 0..query_cfg.out_regs() {
         let (row, col) = T::out_position(reg, query_cfg);
         let query = span.owned_start + row;
-        if query < span.seq_q {
+        if query < span.band.seq_q {
             d_q[dq_head + query * d_q.stride(2) + col] = E::cast_from(grad_q[reg] * scale);
         }
     }

@@ -7,7 +7,8 @@
 use cubecl::prelude::*;
 
 use crate::kernel::config::TileConfig;
-use crate::kernel::mask::{block_needs_mask, key_visible};
+use crate::kernel::mask::{block_needs_mask, key_visible, Band};
+use crate::kernel::softmax::Softcap;
 use crate::kernel::stage::{fetch_stage, load_block, StageBarriers};
 use crate::kernel::tile::AttentionTile;
 use crate::kernel::TilePath;
@@ -17,26 +18,39 @@ use crate::kernel::TilePath;
 pub struct Span {
     /// First owned row (a key when the cube owns keys, else a query).
     pub owned_start: usize,
-    pub seq_q: usize,
-    pub seq_k: usize,
-    /// Offset of this (batch, head) in the log-sum-exp and D, both `[b, h, seq_q]` contiguous.
+    pub band: Band,
+    pub softcap: Softcap,
+}
+
+/// The staged side of a walk: blocks `[first_block, end_block)` of `first` (the score product's
+/// right operand, `cfg.head_dim` wide) and `second` (`dP`'s, `cfg.value_dim` wide), for each of
+/// `members` heads. Owning keys under GQA, the members are the query heads that read the owned
+/// key/value head; otherwise there is one. Bases are those of member 0; each further member
+/// adds its step (the tensors' head stride).
+#[derive(CubeType, Clone, Copy)]
+pub struct Sweep {
+    pub first_base: usize,
+    pub first_step: usize,
+    pub second_base: usize,
+    pub second_step: usize,
+    /// Offset of member 0's (batch, query head) in the log-sum-exp and D (`[b, h, seq_q]`
+    /// contiguous, so one step serves both).
     pub stat_base: usize,
+    pub stat_step: usize,
+    pub members: usize,
+    pub first_block: usize,
+    pub end_block: usize,
 }
 
-/// A per-query statistic (log-sum-exp or D); 0 for rows past the end, whose staged operands are
-/// zeros so that they add nothing.
+/// A per-query statistic (log-sum-exp or D) of the head at `stat_base`; 0 for rows past the
+/// end, whose staged operands are zeros so that they add nothing.
 #[cube]
-fn query_stat(stat: &Tensor<f32>, span: Span, query: usize) -> f32 {
-    let valid = query < span.seq_q;
-    select(
-        valid,
-        stat[span.stat_base + select(valid, query, 0usize)],
-        0.0,
-    )
+fn query_stat(stat: &Tensor<f32>, stat_base: usize, span: Span, query: usize) -> f32 {
+    let valid = query < span.band.seq_q;
+    select(valid, stat[stat_base + select(valid, query, 0usize)], 0.0)
 }
 
-/// The staged blocks `[first_block, end_block)` of `first` (the score product's right operand,
-/// `cfg.head_dim` wide) and `second` (`dP`'s, `cfg.value_dim` wide), rows bounded by `seq`.
+/// Walk every (member, block) of `sweep` in one loop, so the pipeline runs on across members.
 /// Tensor-core tile: two stages filled by asynchronous copies, the next block in flight while
 /// one is computed; portable tile: one stage of plain loads.
 #[cube]
@@ -45,11 +59,8 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
     first_owned: &T::Query,
     second_owned: &T::Query,
     first: &Tensor<E>,
-    first_base: usize,
     second: &Tensor<E>,
-    second_base: usize,
-    first_block: usize,
-    end_block: usize,
+    sweep: Sweep,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     span: Span,
@@ -60,9 +71,9 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
 ) {
     let seq = if comptime!(owns_keys) {
-        span.seq_q
+        span.band.seq_q
     } else {
-        span.seq_k
+        span.band.seq_k
     };
     // Statistics of owned query rows are read once; staged ones per block.
     let rows = comptime!(cfg.rows_per_unit());
@@ -72,10 +83,12 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
         #[unroll]
         for slot in 0..rows {
             let query = span.owned_start + T::slot_row(slot, cfg);
-            owned_lse[slot] = query_stat(lse, span, query);
-            owned_delta[slot] = query_stat(delta, span, query);
+            owned_lse[slot] = query_stat(lse, sweep.stat_base, span, query);
+            owned_delta[slot] = query_stat(delta, sweep.stat_base, span, query);
         }
     }
+    let blocks = sweep.end_block - sweep.first_block;
+    let steps = sweep.members * blocks;
 
     if comptime!(cfg.tile == TilePath::TensorCore) {
         let mut first_stages =
@@ -84,13 +97,13 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
             SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.value_dim), 16usize);
         let barriers = StageBarriers::new();
         sync_cube();
-        if first_block < end_block {
-            fetch_stage::<E>(
+        if steps > 0 {
+            fetch_step::<E>(
                 first,
-                first_base,
                 second,
-                second_base,
-                first_block * cfg.block_kv,
+                sweep,
+                0,
+                blocks,
                 seq,
                 &mut first_stages,
                 &mut second_stages,
@@ -99,16 +112,16 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
                 cfg,
             );
         }
-        for block in first_block..end_block {
-            let stage = (block - first_block) % 2;
+        for step in 0..steps {
+            let stage = step % 2;
             barriers.wait(stage);
-            if block + 1 < end_block {
-                fetch_stage::<E>(
+            if step + 1 < steps {
+                fetch_step::<E>(
                     first,
-                    first_base,
                     second,
-                    second_base,
-                    (block + 1) * cfg.block_kv,
+                    sweep,
+                    step + 1,
+                    blocks,
                     seq,
                     &mut first_stages,
                     &mut second_stages,
@@ -117,15 +130,17 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
                     cfg,
                 );
             }
+            let member = step / blocks;
             block_grads::<E, T>(
                 first_owned,
                 second_owned,
                 &first_stages,
                 &second_stages,
                 stage,
-                block * cfg.block_kv,
+                (sweep.first_block + step % blocks) * cfg.block_kv,
                 lse,
                 delta,
+                sweep.stat_base + member * sweep.stat_step,
                 &owned_lse,
                 &owned_delta,
                 span,
@@ -139,12 +154,13 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
     } else {
         let mut first_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.head_dim));
         let mut second_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.value_dim));
-        for block in first_block..end_block {
-            let first_row = block * cfg.block_kv;
+        for step in 0..steps {
+            let member = step / blocks;
+            let first_row = (sweep.first_block + step % blocks) * cfg.block_kv;
             sync_cube();
             load_block::<E>(
                 first,
-                first_base,
+                sweep.first_base + member * sweep.first_step,
                 first_row,
                 seq,
                 &mut first_stage,
@@ -155,7 +171,7 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
             );
             load_block::<E>(
                 second,
-                second_base,
+                sweep.second_base + member * sweep.second_step,
                 first_row,
                 seq,
                 &mut second_stage,
@@ -174,6 +190,7 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
                 first_row,
                 lse,
                 delta,
+                sweep.stat_base + member * sweep.stat_step,
                 &owned_lse,
                 &owned_delta,
                 span,
@@ -185,6 +202,38 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
             );
         }
     }
+}
+
+/// Issue the copies of step `step` of `sweep` (member `step / blocks`) into stage `stage`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fetch_step<E: Float>(
+    first: &Tensor<E>,
+    second: &Tensor<E>,
+    sweep: Sweep,
+    step: usize,
+    blocks: usize,
+    seq: usize,
+    first_stages: &mut SharedMemory<E>,
+    second_stages: &mut SharedMemory<E>,
+    stage: usize,
+    barriers: &StageBarriers,
+    #[comptime] cfg: TileConfig,
+) {
+    let member = step / blocks;
+    fetch_stage::<E>(
+        first,
+        sweep.first_base + member * sweep.first_step,
+        second,
+        sweep.second_base + member * sweep.second_step,
+        (sweep.first_block + step % blocks) * cfg.block_kv,
+        seq,
+        first_stages,
+        second_stages,
+        stage,
+        barriers,
+        cfg,
+    );
 }
 
 /// Gradients from the staged block at `stage` whose first row is `staged_start`:
@@ -200,6 +249,7 @@ fn block_grads<E: Float, T: AttentionTile<E>>(
     staged_start: usize,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
+    stat_base: usize,
     owned_lse: &Array<f32>,
     owned_delta: &Array<f32>,
     span: Span,
@@ -220,6 +270,18 @@ fn block_grads<E: Float, T: AttentionTile<E>>(
         comptime!(cfg.with_widths(cfg.value_dim, cfg.value_dim)),
     );
 
+    // The softcap's derivative, 1 − tanh², per score: dS of the raw score is dS of the capped
+    // one times it.
+    let mut slope = Array::<f32>::new(comptime!(if cfg.softcap { cfg.score_regs() } else { 1 }));
+    if comptime!(cfg.softcap) {
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let t = (probs[reg] * span.softcap.inner).tanh();
+            probs[reg] = span.softcap.outer * t;
+            slope[reg] = 1.0 - t * t;
+        }
+    }
+
     // Registers are (owned row, staged row): which is the query depends on the side owned.
     #[unroll]
     for reg in 0..cfg.score_regs() {
@@ -227,8 +289,8 @@ fn block_grads<E: Float, T: AttentionTile<E>>(
         let (_row, col) = T::score_position(reg, cfg);
         let (row_lse, row_delta) = if comptime!(owns_keys) {
             (
-                query_stat(lse, span, staged_start + col),
-                query_stat(delta, span, staged_start + col),
+                query_stat(lse, stat_base, span, staged_start + col),
+                query_stat(delta, stat_base, span, staged_start + col),
             )
         } else {
             (owned_lse[slot], owned_delta[slot])
@@ -236,6 +298,9 @@ fn block_grads<E: Float, T: AttentionTile<E>>(
         let p = (probs[reg] * scale - row_lse).exp();
         probs[reg] = p;
         grads[reg] = p * (grads[reg] - row_delta);
+        if comptime!(cfg.softcap) {
+            grads[reg] *= slope[reg];
+        }
     }
 
     let (q_start, kv_start) = if comptime!(owns_keys) {
@@ -245,9 +310,7 @@ fn block_grads<E: Float, T: AttentionTile<E>>(
     };
     let q_rows = comptime!(if owns_keys { cfg.block_kv } else { cfg.block_q });
     let kv_rows = comptime!(if owns_keys { cfg.block_q } else { cfg.block_kv });
-    if block_needs_mask(
-        q_start, q_rows, kv_start, kv_rows, span.seq_q, span.seq_k, cfg.causal,
-    ) {
+    if block_needs_mask(span.band, q_start, q_rows, kv_start, kv_rows, cfg.mask) {
         // Hidden pairs may have overflowed to inf above; select drops them without arithmetic.
         #[unroll]
         for reg in 0..cfg.score_regs() {
@@ -257,7 +320,7 @@ fn block_grads<E: Float, T: AttentionTile<E>>(
             } else {
                 (q_start + row, kv_start + col)
             };
-            let visible = key_visible(query, key, span.seq_q, span.seq_k, cfg.causal);
+            let visible = key_visible(span.band, query, key, cfg.mask);
             probs[reg] = select(visible, probs[reg], 0.0);
             grads[reg] = select(visible, grads[reg], 0.0);
         }
