@@ -232,7 +232,7 @@ where
         format!(
             "cannot read the corpus {}: {e}{}",
             args.data.display(),
-            if args.data == PathBuf::from(DEFAULT_DATA) {
+            if args.data == std::path::Path::new(DEFAULT_DATA) {
                 " (install it with `sudo apt-get install fortunes`, or give --data PATH)"
             } else {
                 ""

@@ -130,7 +130,7 @@ where
         }
         peak_reserved = peak_reserved.max(reserved_bytes());
 
-        let evaluated = step % s.eval_every == 0 || step == s.steps;
+        let evaluated = step.is_multiple_of(s.eval_every) || step == s.steps;
         if evaluated {
             val_loss = evaluate(&model.valid(), &val_batches, device);
         }
@@ -252,7 +252,7 @@ impl Progress {
     }
 
     fn update(&self, step: usize, lr: f64, train: f64, val: f64, tokens_per_second: Option<f64>) {
-        if !self.terminal && step % self.log_every != 0 && step != self.steps {
+        if !self.terminal && !step.is_multiple_of(self.log_every) && step != self.steps {
             return;
         }
         const WIDTH: usize = 24;
