@@ -46,6 +46,7 @@ mod backends {
 }
 mod error;
 pub(crate) mod kernel;
+pub mod nn;
 mod options;
 #[doc(hidden)]
 pub mod testing;

@@ -1,0 +1,168 @@
+//! A decoder-only GPT: learned token and position embeddings, pre-norm blocks of causal
+//! self-attention and MLP, a final norm and an output head tied to the token embedding.
+
+use burn::config::Config;
+use burn::module::{Initializer, Module, ModuleMapper, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Gelu, LayerNorm, LayerNormConfig, Linear,
+    LinearConfig,
+};
+use burn::tensor::{DType, Int, Tensor};
+use burn_flash::nn::{AttentionKernel, FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
+use burn_flash::FlashAttentionBackend;
+
+/// GPT-2's initialisation of embeddings and projections.
+const INIT: Initializer = Initializer::Normal {
+    mean: 0.0,
+    std: 0.02,
+};
+
+#[derive(Config, Debug)]
+pub struct GptConfig {
+    pub vocab_size: usize,
+    /// Longest sequence the position embedding covers.
+    pub context: usize,
+    pub layers: usize,
+    pub d_model: usize,
+    pub heads: usize,
+    #[config(default = 0.0)]
+    pub dropout: f64,
+    #[config(default = "AttentionKernel::Flash")]
+    pub kernel: AttentionKernel,
+}
+
+#[derive(Module, Debug)]
+pub struct Gpt<B: FlashAttentionBackend> {
+    tokens: Embedding<B>,
+    positions: Embedding<B>,
+    blocks: Vec<Block<B>>,
+    norm: LayerNorm<B>,
+    dropout: Dropout,
+}
+
+#[derive(Module, Debug)]
+struct Block<B: FlashAttentionBackend> {
+    attention_norm: LayerNorm<B>,
+    attention: FlashMultiHeadAttention<B>,
+    mlp_norm: LayerNorm<B>,
+    mlp_in: Linear<B>,
+    mlp_out: Linear<B>,
+    activation: Gelu,
+    dropout: Dropout,
+}
+
+impl GptConfig {
+    pub fn init<B: FlashAttentionBackend>(&self, device: &B::Device) -> Gpt<B> {
+        let linear = |d_in, d_out| {
+            LinearConfig::new(d_in, d_out)
+                .with_initializer(INIT)
+                .init(device)
+        };
+        let blocks = (0..self.layers)
+            .map(|_| Block {
+                attention_norm: LayerNormConfig::new(self.d_model).init(device),
+                attention: FlashMultiHeadAttentionConfig::new(self.d_model, self.heads)
+                    .with_causal(true)
+                    .with_dropout(self.dropout)
+                    .with_kernel(self.kernel)
+                    .with_initializer(INIT)
+                    .init(device),
+                mlp_norm: LayerNormConfig::new(self.d_model).init(device),
+                mlp_in: linear(self.d_model, 4 * self.d_model),
+                mlp_out: linear(4 * self.d_model, self.d_model),
+                activation: Gelu::new(),
+                dropout: DropoutConfig::new(self.dropout).init(),
+            })
+            .collect();
+        let embedding = |n| {
+            EmbeddingConfig::new(n, self.d_model)
+                .with_initializer(INIT)
+                .init(device)
+        };
+        Gpt {
+            tokens: embedding(self.vocab_size),
+            positions: embedding(self.context),
+            blocks,
+            norm: LayerNormConfig::new(self.d_model).init(device),
+            dropout: DropoutConfig::new(self.dropout).init(),
+        }
+    }
+}
+
+impl<B: FlashAttentionBackend> Gpt<B> {
+    /// Next-token logits `[batch, seq, vocab]` of tokens `[batch, seq]`, `seq <= context`.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [_, seq] = tokens.dims();
+        let device = tokens.device();
+        let positions = Tensor::<B, 1, Int>::arange(0..seq as i64, &device).unsqueeze::<2>();
+        let mut x = self
+            .dropout
+            .forward(self.tokens.forward(tokens) + self.positions.forward(positions));
+        for block in &self.blocks {
+            x = block.forward(x);
+        }
+        let x = self.norm.forward(x);
+        // The head is the token embedding, transposed.
+        let head = self.tokens.weight.val().transpose().unsqueeze::<3>();
+        x.matmul(head)
+    }
+
+    /// Mean cross-entropy of predicting `targets` (`[batch, seq]`) from `inputs`.
+    pub fn loss(&self, inputs: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let [batch, seq] = inputs.dims();
+        let logits = self.forward(inputs);
+        let vocab = logits.dims()[2];
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(
+                logits.reshape([batch * seq, vocab]),
+                targets.reshape([batch * seq]),
+            )
+    }
+
+    /// The longest sequence the model takes.
+    pub fn context(&self) -> usize {
+        self.positions.weight.dims()[0]
+    }
+
+    /// This model with every parameter converted to `dtype` (Burn keeps a device's default
+    /// float dtype for the whole process, so lower precisions come from a cast of the weights;
+    /// activations then follow the weights' dtype).
+    pub fn cast(self, dtype: DType) -> Self {
+        self.map(&mut Cast(dtype))
+    }
+
+    /// The dtype of the parameters.
+    pub fn dtype(&self) -> DType {
+        self.tokens.weight.val().dtype()
+    }
+}
+
+impl<B: FlashAttentionBackend> Block<B> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let x = x.clone() + self.attention.forward_self(self.attention_norm.forward(x));
+        let h = self.mlp_in.forward(self.mlp_norm.forward(x.clone()));
+        x + self
+            .dropout
+            .forward(self.mlp_out.forward(self.activation.forward(h)))
+    }
+}
+
+/// Converts float parameters to a dtype, keeping them trainable leaves.
+struct Cast(DType);
+
+impl<B: FlashAttentionBackend> ModuleMapper<B> for Cast {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let dtype = self.0;
+        param.map(|tensor| {
+            let trainable = tensor.is_require_grad();
+            let tensor = tensor.detach().cast(dtype);
+            if trainable {
+                tensor.require_grad()
+            } else {
+                tensor
+            }
+        })
+    }
+}

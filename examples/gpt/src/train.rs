@@ -1,0 +1,301 @@
+//! The training loop: AdamW with warmup and cosine decay, periodic validation, the loss curve
+//! as CSV, a progress line, and a sample from the trained model.
+
+use std::f64::consts::PI;
+use std::fs::File;
+use std::io::{self, BufWriter, IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use burn::grad_clipping::GradientClippingConfig;
+use burn::module::AutodiffModule;
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::activation::softmax;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn_flash::FlashAttentionBackend;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::data::{decode, Batch, Batches};
+use crate::model::Gpt;
+
+/// The first steps compile kernels and autotune; throughput is measured after them.
+pub const UNTIMED_STEPS: usize = 10;
+
+pub struct Settings {
+    pub steps: usize,
+    pub batch: usize,
+    pub context: usize,
+    pub schedule: Schedule,
+    pub weight_decay: f32,
+    pub eval_every: usize,
+    pub eval_batches: usize,
+    pub seed: u64,
+    pub log_every: usize,
+    pub csv: Option<PathBuf>,
+    pub prompt: String,
+    pub sample_len: usize,
+}
+
+/// Learning rate: linear warmup from 0 to `peak` over `warmup` steps, then cosine decay to
+/// `min` at the last step.
+#[derive(Clone, Copy, Debug)]
+pub struct Schedule {
+    pub peak: f64,
+    pub min: f64,
+    pub warmup: usize,
+    pub steps: usize,
+}
+
+impl Schedule {
+    /// The rate of step `step`, counted from 1.
+    pub fn at(&self, step: usize) -> f64 {
+        if step <= self.warmup {
+            return self.peak * step as f64 / self.warmup as f64;
+        }
+        let decay_steps = self.steps.saturating_sub(self.warmup).max(1);
+        let progress = ((step - self.warmup) as f64 / decay_steps as f64).min(1.0);
+        self.min + 0.5 * (self.peak - self.min) * (1.0 + (PI * progress).cos())
+    }
+}
+
+pub struct Report {
+    pub first_train_loss: f64,
+    pub final_train_loss: f64,
+    pub first_val_loss: f64,
+    pub final_val_loss: f64,
+    pub tokens_per_second: Option<f64>,
+    pub train_time: Duration,
+    /// Largest `bytes_reserved` of the device's memory pools seen after a step.
+    pub peak_reserved: Option<u64>,
+    pub sample: String,
+}
+
+pub fn train<B>(
+    mut model: Gpt<B>,
+    train_text: &[u8],
+    val_text: &[u8],
+    settings: &Settings,
+    device: &B::Device,
+    reserved_bytes: &dyn Fn() -> Option<u64>,
+) -> io::Result<Report>
+where
+    B: AutodiffBackend + FlashAttentionBackend,
+    B::InnerBackend: FlashAttentionBackend,
+{
+    let s = settings;
+    let mut optimizer = AdamWConfig::new()
+        .with_weight_decay(s.weight_decay)
+        .with_grad_clipping(Some(GradientClippingConfig::Norm(1.0)))
+        .init::<B, Gpt<B>>();
+    let mut batches = Batches::new(train_text, s.batch, s.context, s.seed);
+    // A fixed validation set, so that validation losses compare across steps.
+    let mut val_draw = Batches::new(val_text, s.batch, s.context, s.seed.wrapping_add(1));
+    let val_batches: Vec<Batch> = (0..s.eval_batches).map(|_| val_draw.next_batch()).collect();
+
+    let mut csv = match &s.csv {
+        Some(path) => {
+            let mut file = BufWriter::new(File::create(path)?);
+            writeln!(file, "step,lr,train_loss,val_loss")?;
+            Some(file)
+        }
+        None => None,
+    };
+    let progress = Progress::new(s.steps, s.log_every);
+    let (mut timed, mut timed_tokens, mut train_time) = (Duration::ZERO, 0usize, Duration::ZERO);
+    let mut peak_reserved = reserved_bytes();
+    let (mut first_train_loss, mut train_loss) = (f64::NAN, f64::NAN);
+    let first_val_loss = evaluate(&model.valid(), &val_batches, device);
+    let mut val_loss = first_val_loss;
+
+    for step in 1..=s.steps {
+        let lr = s.schedule.at(step);
+        let batch = batches.next_batch();
+        let start = Instant::now();
+        let (inputs, targets) = batch_tensors::<B>(&batch, device);
+        let loss = model.loss(inputs, targets);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optimizer.step(lr, model, grads);
+        train_loss = loss.into_scalar().elem::<f64>();
+        B::sync(device).expect("device sync");
+        let elapsed = start.elapsed();
+        train_time += elapsed;
+        if step > UNTIMED_STEPS {
+            timed += elapsed;
+            timed_tokens += s.batch * s.context;
+        }
+        if step == 1 {
+            first_train_loss = train_loss;
+        }
+        peak_reserved = peak_reserved.max(reserved_bytes());
+
+        let evaluated = step.is_multiple_of(s.eval_every) || step == s.steps;
+        if evaluated {
+            val_loss = evaluate(&model.valid(), &val_batches, device);
+        }
+        if let Some(file) = csv.as_mut() {
+            let val = if evaluated {
+                val_loss.to_string()
+            } else {
+                String::new()
+            };
+            writeln!(file, "{step},{lr},{train_loss},{val}")?;
+        }
+        let tokens_per_second =
+            (timed_tokens > 0).then(|| timed_tokens as f64 / timed.as_secs_f64());
+        progress.update(step, lr, train_loss, val_loss, tokens_per_second);
+    }
+    progress.finish();
+    if let Some(mut file) = csv {
+        file.flush()?;
+    }
+
+    let sample = generate(&model.valid(), &s.prompt, s.sample_len, s.seed, device);
+    Ok(Report {
+        first_train_loss,
+        final_train_loss: train_loss,
+        first_val_loss,
+        final_val_loss: val_loss,
+        tokens_per_second: (timed_tokens > 0).then(|| timed_tokens as f64 / timed.as_secs_f64()),
+        train_time,
+        peak_reserved,
+        sample,
+    })
+}
+
+fn batch_tensors<B: FlashAttentionBackend>(
+    batch: &Batch,
+    device: &B::Device,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+    let shape = [batch.batch, batch.context];
+    let tensor = |tokens: &[i32]| {
+        Tensor::<B, 2, Int>::from_data(TensorData::new(tokens.to_vec(), shape), device)
+    };
+    (tensor(&batch.inputs), tensor(&batch.targets))
+}
+
+/// Mean loss over the batches.
+fn evaluate<B: FlashAttentionBackend>(
+    model: &Gpt<B>,
+    batches: &[Batch],
+    device: &B::Device,
+) -> f64 {
+    let total: f64 = batches
+        .iter()
+        .map(|batch| {
+            let (inputs, targets) = batch_tensors::<B>(batch, device);
+            model.loss(inputs, targets).into_scalar().elem::<f64>()
+        })
+        .sum();
+    total / batches.len() as f64
+}
+
+/// `prompt` continued by `len` bytes, each sampled from the model's softmax (temperature 1).
+fn generate<B: FlashAttentionBackend>(
+    model: &Gpt<B>,
+    prompt: &str,
+    len: usize,
+    seed: u64,
+    device: &B::Device,
+) -> String {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut tokens: Vec<i32> = prompt.bytes().map(i32::from).collect();
+    let context = model.context();
+    for _ in 0..len {
+        // Always a full window (left-padded with newlines): each new shape compiles kernels.
+        let recent = &tokens[tokens.len().saturating_sub(context)..];
+        let mut window = vec![i32::from(b'\n'); context - recent.len()];
+        window.extend_from_slice(recent);
+        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(window, [1, context]), device);
+        let logits = model.forward(input);
+        let [_, seq, vocab] = logits.dims();
+        let last = logits
+            .slice([0..1, seq - 1..seq, 0..vocab])
+            .reshape([vocab]);
+        let probs: Vec<f32> = softmax(last, 0)
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .expect("probabilities as f32");
+        let mut u = rng.random::<f32>();
+        let token = probs
+            .iter()
+            .position(|&p| {
+                u -= p;
+                u < 0.0
+            })
+            .unwrap_or(vocab - 1);
+        tokens.push(token as i32);
+    }
+    let bytes: Vec<u8> = tokens.iter().map(|&t| t as u8).collect();
+    decode(&bytes)
+}
+
+/// Progress on stderr: one line rewritten in place on a terminal, a line every `log_every`
+/// steps otherwise (logs of CI or `nohup`).
+struct Progress {
+    steps: usize,
+    log_every: usize,
+    terminal: bool,
+    start: Instant,
+}
+
+impl Progress {
+    fn new(steps: usize, log_every: usize) -> Self {
+        Self {
+            steps,
+            log_every: log_every.max(1),
+            terminal: io::stderr().is_terminal(),
+            start: Instant::now(),
+        }
+    }
+
+    fn update(&self, step: usize, lr: f64, train: f64, val: f64, tokens_per_second: Option<f64>) {
+        if !self.terminal && !step.is_multiple_of(self.log_every) && step != self.steps {
+            return;
+        }
+        const WIDTH: usize = 24;
+        let done = WIDTH * step / self.steps;
+        let bar = format!("{}{}", "#".repeat(done), ".".repeat(WIDTH - done));
+        let speed = tokens_per_second.map_or("-".into(), |t| format!("{t:.0}"));
+        let line = format!(
+            "[{bar}] step {step}/{} | lr {lr:.2e} | train loss {train:.4} | val loss {val:.4} | {speed} tokens/s | {:.0} s",
+            self.steps,
+            self.start.elapsed().as_secs_f64()
+        );
+        if self.terminal {
+            eprint!("\r{line}");
+        } else {
+            eprintln!("{line}");
+        }
+    }
+
+    fn finish(&self) {
+        if self.terminal {
+            eprintln!();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Schedule;
+
+    #[test]
+    fn schedule_warms_up_then_decays_to_the_minimum() {
+        let schedule = Schedule {
+            peak: 1e-3,
+            min: 1e-4,
+            warmup: 10,
+            steps: 110,
+        };
+        assert!((schedule.at(1) - 1e-4).abs() < 1e-12);
+        assert!((schedule.at(10) - 1e-3).abs() < 1e-12);
+        // Halfway through the decay, the cosine is at the midpoint.
+        assert!((schedule.at(60) - 5.5e-4).abs() < 1e-12);
+        assert!((schedule.at(110) - 1e-4).abs() < 1e-12);
+        let rates: Vec<f64> = (10..=110).map(|step| schedule.at(step)).collect();
+        assert!(rates.windows(2).all(|w| w[1] < w[0]));
+    }
+}

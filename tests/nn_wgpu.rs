@@ -1,0 +1,267 @@
+//! `burn_flash::nn::FlashMultiHeadAttention` on `burn::backend::Wgpu` (f32; lavapipe in CI):
+//! its three attention kernels against an f64 CPU computation of multi-head attention from the
+//! module's own weights and against each other, the causal mask, and parameter gradients
+//! through `Autodiff<Wgpu>`.
+
+#[allow(dead_code)]
+mod common;
+
+use burn::backend::wgpu::WgpuDevice;
+use burn::backend::{Autodiff, Wgpu};
+use burn::module::Param;
+use burn::nn::Linear;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
+use burn_flash::nn::{AttentionKernel, FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
+use burn_flash::{flash_attention_plan, FlashAttentionOptions, FlashAttentionPlan, TilePath};
+use common::{error, random_normal, reference_attention, to_host, Problem};
+
+const KERNELS: [AttentionKernel; 3] = [
+    AttentionKernel::Flash,
+    AttentionKernel::BurnBuiltin,
+    AttentionKernel::Unfused,
+];
+
+/// f32 results against the f64 computation: projections of 32 features and attention over at
+/// most 45 keys round near 1e-6 (measured); a wrongly masked key or head moves rows by 1e-2.
+const TOLERANCE: f64 = 1e-4;
+
+const D_MODEL: usize = 32;
+const HEADS: usize = 2;
+
+fn module<B: burn_flash::FlashAttentionBackend>(
+    causal: bool,
+    device: &B::Device,
+) -> FlashMultiHeadAttention<B> {
+    B::seed(device, 7);
+    FlashMultiHeadAttentionConfig::new(D_MODEL, HEADS)
+        .with_causal(causal)
+        .with_dropout(0.0)
+        .init(device)
+}
+
+fn with_kernel<B: burn_flash::FlashAttentionBackend>(
+    module: &FlashMultiHeadAttention<B>,
+    kernel: AttentionKernel,
+) -> FlashMultiHeadAttention<B> {
+    let mut module = module.clone();
+    module.kernel = kernel;
+    module
+}
+
+fn input<B: Backend>(values: &[f32], batch: usize, seq: usize, device: &B::Device) -> Tensor<B, 3> {
+    Tensor::from_data(
+        TensorData::new(values.to_vec(), [batch, seq, D_MODEL]),
+        device,
+    )
+}
+
+/// `x · W + b` on host rows of `d_in` values; Burn's `Linear` stores `W` as `[d_in, d_out]`.
+fn linear_host<B: Backend>(x: &[f64], linear: &Linear<B>) -> Vec<f64> {
+    let [d_in, d_out] = linear.weight.val().dims();
+    let weight = to_host(linear.weight.val());
+    let bias = linear.bias.as_ref().map(|b| to_host(b.val()));
+    x.chunks(d_in)
+        .flat_map(|row| {
+            (0..d_out).map(|o| {
+                let dot: f64 = row
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| x * weight[i * d_out + o])
+                    .sum();
+                dot + bias.as_ref().map_or(0.0, |b| b[o])
+            })
+        })
+        .collect()
+}
+
+/// `[batch, seq, heads·d_k]` to `[batch, heads, seq, d_k]`, or back with `inverse`.
+fn transpose_heads(x: &[f64], batch: usize, seq: usize, inverse: bool) -> Vec<f64> {
+    let d_k = D_MODEL / HEADS;
+    let mut out = vec![0.0; x.len()];
+    for b in 0..batch {
+        for s in 0..seq {
+            for h in 0..HEADS {
+                for f in 0..d_k {
+                    let merged = ((b * seq + s) * HEADS + h) * d_k + f;
+                    let split = ((b * HEADS + h) * seq + s) * d_k + f;
+                    if inverse {
+                        out[merged] = x[split];
+                    } else {
+                        out[split] = x[merged];
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Multi-head attention from the module's weights, in f64 on the host, written from the
+/// definition: project, split heads, attend (the shared reference), merge, project.
+fn reference<B: burn_flash::FlashAttentionBackend>(
+    module: &FlashMultiHeadAttention<B>,
+    query: &[f32],
+    key_value: &[f32],
+    batch: usize,
+    [seq_q, seq_k]: [usize; 2],
+) -> Vec<f64> {
+    let widen = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let (query, key_value) = (widen(query), widen(key_value));
+    let q = transpose_heads(&linear_host(&query, &module.query), batch, seq_q, false);
+    let k = transpose_heads(&linear_host(&key_value, &module.key), batch, seq_k, false);
+    let v = transpose_heads(&linear_host(&key_value, &module.value), batch, seq_k, false);
+    let problem = Problem::cross(batch, HEADS, seq_q, seq_k, D_MODEL / HEADS);
+    let (context, _lse) = reference_attention(&problem, &q, &k, &v, module.causal, None);
+    linear_host(
+        &transpose_heads(&context, batch, seq_q, true),
+        &module.output,
+    )
+}
+
+#[test]
+fn kernels_match_the_f64_reference_and_each_other() {
+    let device = WgpuDevice::default();
+    let batch = 2;
+    // Self-attention, then cross-attention with fewer and more keys than queries.
+    for (case, [seq_q, seq_k]) in [[37, 37], [29, 45], [45, 29]].into_iter().enumerate() {
+        for causal in [false, true] {
+            let module = module::<Wgpu>(causal, &device);
+            let seed = 100 + case as u64 * 2 + causal as u64;
+            let query = random_normal(batch * seq_q * D_MODEL, seed, DType::F32);
+            let key_value = random_normal(batch * seq_k * D_MODEL, seed ^ 0xFF, DType::F32);
+            let expected = reference(&module, &query, &key_value, batch, [seq_q, seq_k]);
+            let outputs: Vec<Vec<f64>> = KERNELS
+                .iter()
+                .map(|&kernel| {
+                    let kv = input::<Wgpu>(&key_value, batch, seq_k, &device);
+                    let out = with_kernel(&module, kernel).forward(
+                        input(&query, batch, seq_q, &device),
+                        kv.clone(),
+                        kv,
+                    );
+                    assert_eq!(out.dims(), [batch, seq_q, D_MODEL]);
+                    to_host(out)
+                })
+                .collect();
+            let label = format!("seq_q {seq_q} seq_k {seq_k} causal {causal}");
+            for (kernel, got) in KERNELS.iter().zip(&outputs) {
+                let e = error(got, &expected, D_MODEL);
+                println!("{label} {kernel:?}: {e}");
+                assert!(
+                    e.finite() && e.row_relative <= TOLERANCE,
+                    "{label} {kernel:?}: {e}"
+                );
+            }
+            for (i, j) in [(0, 1), (0, 2), (1, 2)] {
+                let e = error(&outputs[i], &outputs[j], D_MODEL);
+                assert!(
+                    e.row_relative <= TOLERANCE,
+                    "{label}: {:?} against {:?}: {e}",
+                    KERNELS[i],
+                    KERNELS[j]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn flash_kernel_runs_fused_at_the_module_shapes() {
+    let device = WgpuDevice::default();
+    let heads = Tensor::<Wgpu, 4>::zeros([2, HEADS, 37, D_MODEL / HEADS], &device);
+    assert_eq!(
+        flash_attention_plan(&heads, &heads, &heads, FlashAttentionOptions::causal()).unwrap(),
+        FlashAttentionPlan::Fused(TilePath::Portable)
+    );
+}
+
+#[test]
+fn causal_rows_ignore_later_positions() {
+    let device = WgpuDevice::default();
+    let (batch, seq, cut) = (1, 40, 23);
+    let x = random_normal(batch * seq * D_MODEL, 11, DType::F32);
+    // The same sequence with every position after `cut` replaced.
+    let mut changed = x.clone();
+    changed[(cut + 1) * D_MODEL..].copy_from_slice(&random_normal(
+        (seq - cut - 1) * D_MODEL,
+        12,
+        DType::F32,
+    ));
+    let prefix = (cut + 1) * D_MODEL;
+    for causal in [true, false] {
+        let module = module::<Wgpu>(causal, &device);
+        for kernel in KERNELS {
+            let module = with_kernel(&module, kernel);
+            let run =
+                |values: &[f32]| to_host(module.forward_self(input(values, batch, seq, &device)));
+            let (before, after) = (run(&x), run(&changed));
+            let e = error(&after[..prefix], &before[..prefix], D_MODEL);
+            if causal {
+                assert!(
+                    e.max_abs <= 1e-6,
+                    "{kernel:?}: rows up to {cut} changed: {e}"
+                );
+            } else {
+                // Without the mask every row sees the change: the check above can fail.
+                assert!(
+                    e.row_relative > 1e-3,
+                    "{kernel:?}: non-causal rows did not change: {e}"
+                );
+            }
+        }
+    }
+}
+
+/// Every parameter's gradient, flattened, in the module's field order.
+fn parameter_grads(
+    module: &FlashMultiHeadAttention<Autodiff<Wgpu>>,
+    grads: &<Autodiff<Wgpu> as burn::tensor::backend::AutodiffBackend>::Gradients,
+) -> Vec<(String, Vec<f64>)> {
+    let mut out = Vec::new();
+    for (name, linear) in [
+        ("query", &module.query),
+        ("key", &module.key),
+        ("value", &module.value),
+        ("output", &module.output),
+    ] {
+        let grad = |param: &Param<Tensor<Autodiff<Wgpu>, 2>>| {
+            to_host(param.val().grad(grads).expect("a weight gradient"))
+        };
+        out.push((format!("{name}.weight"), grad(&linear.weight)));
+        let bias = linear.bias.as_ref().expect("biases are on by default");
+        let bias_grad = bias.val().grad(grads).expect("a bias gradient");
+        out.push((format!("{name}.bias"), to_host(bias_grad)));
+    }
+    out
+}
+
+#[test]
+fn parameter_gradients_agree_between_kernels() {
+    type B = Autodiff<Wgpu>;
+    let device = WgpuDevice::default();
+    let (batch, seq) = (2, 33);
+    for causal in [true, false] {
+        let module = module::<B>(causal, &device);
+        let x = random_normal(batch * seq * D_MODEL, 21 + causal as u64, DType::F32);
+        let upstream = random_normal(batch * seq * D_MODEL, 31 + causal as u64, DType::F32);
+        let grads_of = |kernel| {
+            let module = with_kernel(&module, kernel);
+            let out = module.forward_self(input(&x, batch, seq, &device));
+            let grads = (out * input::<B>(&upstream, batch, seq, &device))
+                .sum()
+                .backward();
+            parameter_grads(&module, &grads)
+        };
+        let unfused = grads_of(AttentionKernel::Unfused);
+        for kernel in [AttentionKernel::Flash, AttentionKernel::BurnBuiltin] {
+            for ((name, got), (_, expected)) in grads_of(kernel).iter().zip(&unfused) {
+                let e = error(got, expected, expected.len());
+                assert!(
+                    e.ref_max > 0.0 && e.finite() && e.relative <= TOLERANCE,
+                    "causal {causal} {kernel:?} {name}: {e}"
+                );
+            }
+        }
+    }
+}
