@@ -78,7 +78,7 @@ fn fused_matches_fallback_on_bare_cube_backend() {
 #[test]
 fn strided_inputs_are_made_contiguous() {
     let device = WgpuDevice::default();
-    Wgpu::seed(&device, 9);
+    <Wgpu>::seed(&device, 9);
     let heads_second = |dims| random::<Wgpu>(dims, &device).swap_dims(1, 2);
     let q = heads_second([2, 37, 3, 64]);
     let k = heads_second([2, 45, 3, 64]);
