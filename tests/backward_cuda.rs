@@ -102,9 +102,10 @@ fn fused_grads<B: FlashAttentionBackend + AutodiffBackend>(
     upstream: Tensor<B, 4>,
     spec: Spec,
     expect: TilePath,
+    deterministic: bool,
 ) -> Result<[Tensor<B, 4>; 3], String> {
     let [q, k, v] = [q, k, v].map(|t| t.require_grad());
-    let options = spec.options(None);
+    let options = spec.options(None).with_deterministic(deterministic);
     let plan = flash_attention_plan(&q, &k, &v, options).map_err(|e| format!("{label}: {e}"))?;
     if plan != FlashAttentionPlan::Fused(expect) {
         return Err(format!("{label}: plan is {plan}, expected {expect:?}"));
@@ -184,10 +185,12 @@ fn small_problems() -> Vec<(Problem, Spec)> {
     .collect()
 }
 
+/// `deterministic`: dQ by its own launch instead of f32 atomics.
 fn check_small<B: FlashAttentionBackend<Device = CudaDevice> + AutodiffBackend>(
     test: &str,
     dtype: DType,
     first_seed: u64,
+    deterministic: bool,
 ) {
     let Some(device) = cuda_device(test) else {
         return;
@@ -208,6 +211,7 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice> + AutodiffBackend>(
             tensor_from_host::<B>(&upstream, problem.out_dims(), dtype, &device),
             spec,
             expect,
+            deterministic,
         );
         let [dq, dk, dv] = match grads {
             Ok(grads) => grads.map(to_host),
@@ -240,16 +244,60 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice> + AutodiffBackend>(
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// bf16 gradients on `Autodiff<Cuda<bf16>>`, small and odd shapes.
+/// bf16 gradients on `Autodiff<Cuda<bf16>>`, small and odd shapes, dQ by atomics.
 #[test]
 fn small_shapes_bf16() {
-    check_small::<Autodiff<Cuda<half::bf16>>>("small_shapes_bf16", DType::BF16, 100);
+    check_small::<Autodiff<Cuda<half::bf16>>>("small_shapes_bf16", DType::BF16, 100, false);
 }
 
-/// f16 tensors on `Autodiff<Cuda>`, small and odd shapes.
+/// f16 tensors on `Autodiff<Cuda>`, small and odd shapes, dQ by its deterministic launch.
 #[test]
-fn small_shapes_f16() {
-    check_small::<Autodiff<Cuda>>("small_shapes_f16", DType::F16, 200);
+fn small_shapes_f16_deterministic() {
+    check_small::<Autodiff<Cuda>>("small_shapes_f16_deterministic", DType::F16, 200, true);
+}
+
+/// The deterministic backward repeats bit for bit on the tensor cores; for the atomic one the
+/// test prints how many dQ elements differ from it (last-bit differences of the f32 sums).
+#[test]
+fn deterministic_backward_repeats_bitwise() {
+    type B = Autodiff<Cuda<half::bf16>>;
+    let Some(device) = cuda_device("deterministic_backward_repeats_bitwise") else {
+        return;
+    };
+    let problem = Problem::cross(2, 4, 700, 1100, 128);
+    let inputs = Inputs::random(problem, DType::BF16, 77);
+    let upstream = random_normal(problem.out_dims().iter().product(), 78, DType::BF16);
+    let expect = expected_tile(&device, DType::BF16);
+    let run = |deterministic: bool| {
+        let grads = fused_grads::<B>(
+            &device,
+            "repeat",
+            inputs.to_device::<B>(&device),
+            tensor_from_host::<B>(&upstream, problem.out_dims(), DType::BF16, &device),
+            Spec::from(true),
+            expect,
+            deterministic,
+        )
+        .unwrap();
+        grads.map(|g| to_host(g).iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+    };
+    let first = run(true);
+    for _ in 0..4 {
+        assert!(
+            run(true) == first,
+            "the deterministic backward changed bits"
+        );
+    }
+    let atomic = run(false);
+    let differing = atomic[0]
+        .iter()
+        .zip(&first[0])
+        .filter(|(a, b)| a != b)
+        .count();
+    println!(
+        "atomic dQ: {differing} of {} elements differ from the deterministic dQ",
+        first[0].len()
+    );
 }
 
 /// FlashAttention-2 benchmark shapes (16k tokens, hidden 2048) at n = 2048, bf16, against Burn's
@@ -285,6 +333,7 @@ fn benchmark_shapes_bf16() {
             upstream.clone(),
             Spec::from(causal),
             expected_tile(&device, dtype),
+            false,
         ) {
             Ok(grads) => grads,
             Err(why) => {

@@ -25,6 +25,12 @@ fn widen(values: &[f32]) -> Vec<f64> {
 }
 
 fn check(problem: Problem, causal: bool, seed: u64) {
+    check_mode(problem, causal, seed, false);
+}
+
+/// The fused gradients of one problem against the reference, dQ by atomics where the runtime
+/// has f32 atomic add (`deterministic` false) or by its own launch.
+fn check_mode(problem: Problem, causal: bool, seed: u64, deterministic: bool) {
     let device = WgpuDevice::default();
     burn_flash::testing::poison_outputs(true);
     let inputs = Inputs::random(problem, DType::F32, seed);
@@ -34,7 +40,9 @@ fn check(problem: Problem, causal: bool, seed: u64) {
         DType::F32,
     );
     let [q, k, v] = inputs.to_device::<B>(&device).map(|t| t.require_grad());
-    let options = FlashAttentionOptions::new().with_causal(causal);
+    let options = FlashAttentionOptions::new()
+        .with_causal(causal)
+        .with_deterministic(deterministic);
     assert_eq!(
         flash_attention_plan(&q, &k, &v, options).unwrap(),
         FlashAttentionPlan::Fused(TilePath::Portable),
@@ -79,6 +87,65 @@ fn gradients_match_reference() {
         (Problem::square(1, 1, 200, 128), true),
     ] {
         check(problem, causal, 7 + problem.seq_q as u64);
+    }
+}
+
+/// Both ways of summing dQ on the portable tile: the deterministic launch (its default) and the
+/// atomic one, which a testing hook turns on where the runtime has f32 atomic add (lavapipe has
+/// it when wgpu exposes `SHADER_FLOAT32_ATOMIC`). The launch counters prove which path ran.
+#[test]
+fn both_dq_modes_match_reference() {
+    let problems = [
+        (Problem::cross(2, 2, 70, 45, 64), true),
+        (Problem::cross(1, 4, 40, 37, 32).grouped(2), false),
+    ];
+    let (_, before) = burn_flash::testing::dq_launches();
+    for (problem, causal) in problems {
+        check_mode(problem, causal, 91, true);
+    }
+    let (_, after) = burn_flash::testing::dq_launches();
+    assert!(
+        after >= before + problems.len(),
+        "the deterministic dQ did not run"
+    );
+
+    burn_flash::testing::portable_atomic_dq(true);
+    let (atomic_before, _) = burn_flash::testing::dq_launches();
+    for (problem, causal) in problems {
+        check_mode(problem, causal, 92, false);
+    }
+    let (atomic_after, _) = burn_flash::testing::dq_launches();
+    burn_flash::testing::portable_atomic_dq(false);
+    if atomic_after < atomic_before + problems.len() {
+        println!("skipped the atomic dQ check: this runtime has no f32 atomic add");
+    }
+}
+
+/// The deterministic backward gives the same bits on every run of the same inputs.
+#[test]
+fn deterministic_backward_repeats_bitwise() {
+    let device = WgpuDevice::default();
+    let problem = Problem::cross(1, 2, 90, 77, 64);
+    let inputs = Inputs::random(problem, DType::F32, 5);
+    let options = FlashAttentionOptions::causal().with_deterministic(true);
+    let run = || {
+        let [q, k, v] = inputs.to_device::<B>(&device).map(|t| t.require_grad());
+        let grads = flash_attention(q.clone(), k.clone(), v.clone(), options)
+            .sum()
+            .backward();
+        [q.grad(&grads), k.grad(&grads), v.grad(&grads)].map(|g| {
+            to_host(g.expect("a gradient"))
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>()
+        })
+    };
+    let first = run();
+    for _ in 0..3 {
+        assert!(
+            run() == first,
+            "the deterministic backward changed bits between runs"
+        );
     }
 }
 

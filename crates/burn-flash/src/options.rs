@@ -3,7 +3,7 @@
 use burn::tensor::ops::AttentionModuleOptions;
 
 /// Options of [`flash_attention`](crate::flash_attention): causal masking, sliding window, the
-/// softmax scale and the softcap.
+/// softmax scale, the softcap, and whether the backward must be deterministic.
 ///
 /// The conventions are those of Burn's `burn::tensor::module::attention`:
 ///
@@ -19,8 +19,14 @@ use burn::tensor::ops::AttentionModuleOptions;
 ///   [`AttentionWindow`]. Combined with `causal`, the band ends at the diagonal.
 /// - `softcap`: scores become `softcap · tanh(scale · q·k / softcap)` before the softmax
 ///   (Gemma-2), as Burn's `AttentionModuleOptions::softcap`. It must be finite and positive.
+/// - `deterministic` (default `true`): the fused backward computes dQ in its own pass, so
+///   repeated runs give identical bits. `false` selects FlashAttention-2's scheme instead, each
+///   key block adding its share of dQ with f32 atomics (tensor-core tile only; runtimes
+///   without f32 atomic add keep the deterministic pass). On the H100 the atomic scheme is
+///   slower today (forward+backward 147 against 205 TFLOPS at d 128, n 8192:
+///   `docs/perf-notes.md`), hence the default.
 ///
-/// The default is not causal, no window, the default scale, no softcap. The type may gain fields:
+/// The default is not causal, no window, the default scale, no softcap, deterministic dQ. The type may gain fields:
 /// build it with [`new`](Self::new) or [`causal`](Self::causal) and the `with_*` methods.
 ///
 /// # Example
@@ -33,7 +39,7 @@ use burn::tensor::ops::AttentionModuleOptions;
 /// assert_eq!(options.scale, Some(0.125));
 /// assert_eq!(FlashAttentionOptions::default().scale_for(64), 0.125);
 /// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct FlashAttentionOptions {
     /// Apply the causal mask, aligned bottom-right (see the type's documentation).
@@ -44,6 +50,21 @@ pub struct FlashAttentionOptions {
     pub window: Option<AttentionWindow>,
     /// Cap the scaled scores at `±softcap` through `softcap · tanh(s / softcap)`; `None`: no cap.
     pub softcap: Option<f64>,
+    /// The backward sums dQ in its own launch in a fixed order (`true`, the default) or by
+    /// f32 atomics from the key-block launch (`false`).
+    pub deterministic: bool,
+}
+
+impl Default for FlashAttentionOptions {
+    fn default() -> Self {
+        Self {
+            causal: false,
+            scale: None,
+            window: None,
+            softcap: None,
+            deterministic: true,
+        }
+    }
 }
 
 /// A band of visible keys around each query's diagonal (local, or sliding-window, attention):
@@ -211,6 +232,22 @@ impl FlashAttentionOptions {
     /// ```
     pub fn with_softcap(mut self, softcap: f64) -> Self {
         self.softcap = Some(softcap);
+        self
+    }
+
+    /// These options with a deterministic (`true`, the default) or atomic (`false`) dQ in the
+    /// fused backward.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::FlashAttentionOptions;
+    ///
+    /// let options = FlashAttentionOptions::causal().with_deterministic(false);
+    /// assert!(!options.deterministic);
+    /// ```
+    pub fn with_deterministic(mut self, deterministic: bool) -> Self {
+        self.deterministic = deterministic;
         self
     }
 

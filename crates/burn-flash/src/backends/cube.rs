@@ -56,7 +56,16 @@ where
         options: FlashAttentionOptions,
     ) -> FlashAttentionGrads<Self> {
         let params = score_params(&q, &k, &options);
-        let (q, k, v) = kernel::backward(q, k, v, output, lse, grad_output, params);
+        let (q, k, v) = kernel::backward(
+            q,
+            k,
+            v,
+            output,
+            lse,
+            grad_output,
+            params,
+            options.deterministic,
+        );
         FlashAttentionGrads { q, k, v }
     }
 }

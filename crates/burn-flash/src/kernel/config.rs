@@ -48,6 +48,9 @@ pub struct TileConfig {
     pub mask: MaskConfig,
     /// Scores pass through `softcap · tanh(s / softcap)` before the softmax.
     pub softcap: bool,
+    /// The dK/dV launch also adds each staged query block's dQ with f32 atomics (and needs a
+    /// `block_q × block_kv` scratch tile on the tensor-core tile to transpose dS).
+    pub atomic_dq: bool,
 }
 
 /// Which bounds hide keys around the diagonal (see [`mask`](super::mask)); the offsets are
@@ -81,6 +84,7 @@ impl TileConfig {
             query_in_smem: head_dim > 64,
             mask: MaskConfig::default(),
             softcap: false,
+            atomic_dq: false,
         }
     }
 
@@ -97,6 +101,7 @@ impl TileConfig {
             query_in_smem: false,
             mask: MaskConfig::default(),
             softcap: false,
+            atomic_dq: false,
         }
     }
 
@@ -106,6 +111,21 @@ impl TileConfig {
             mask,
             softcap,
             ..self
+        }
+    }
+
+    /// These blocks with dQ added by atomics from the dK/dV launch (`true`) or computed by its
+    /// own launch.
+    pub fn with_atomic_dq(self, atomic_dq: bool) -> Self {
+        Self { atomic_dq, ..self }
+    }
+
+    /// Scratch elements the dK/dV launch needs to transpose dS for the atomic dQ.
+    pub fn transpose_scratch(&self) -> usize {
+        if self.atomic_dq && self.tile == TilePath::TensorCore {
+            self.block_q * self.block_kv
+        } else {
+            1
         }
     }
 
@@ -185,14 +205,15 @@ impl TileConfig {
     }
 
     /// Bytes of shared memory one backward cube uses: the forward's, plus the second owned
-    /// operand (values or output gradients), which the tensor-core tile stages too.
+    /// operand (values or output gradients), which the tensor-core tile stages too, plus the
+    /// transpose scratch of the atomic dQ.
     pub fn backward_shared_bytes(&self, elem_size: usize) -> usize {
         let second = if self.tile == TilePath::TensorCore {
             self.block_q * self.value_dim
         } else {
             0
         };
-        self.shared_bytes(elem_size) + second * elem_size
+        self.shared_bytes(elem_size) + (second + self.transpose_scratch()) * elem_size
     }
 
     /// Whether shared-memory rows are stored with their 16-byte chunks XOR-swizzled by row, so

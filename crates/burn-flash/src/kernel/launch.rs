@@ -274,7 +274,15 @@ fn fill<F: Float>(tensor: &mut Tensor<F>, value: f32, #[define(F)] _dtype: Stora
 }
 
 fn poison<R: CubeRuntime>(tensor: &CubeTensor<R>) {
+    fill_tensor(tensor, f32::NAN);
+}
+
+/// Set every element of a contiguous tensor to `value`.
+pub(crate) fn fill_tensor<R: CubeRuntime>(tensor: &CubeTensor<R>, value: f32) {
     let units = tensor.meta.num_elements();
+    if units == 0 {
+        return;
+    }
     let cube_dim = CubeDim::new(&tensor.client, units);
     let cube_count = cubecl::calculate_cube_count_elemwise(&tensor.client, units, cube_dim);
     // SAFETY: one unit per element, guarded by the tensor length.
@@ -285,7 +293,7 @@ fn poison<R: CubeRuntime>(tensor: &CubeTensor<R>) {
             cube_dim,
             tensor.required_address_type(),
             tensor.clone().into_tensor_arg(),
-            f32::NAN,
+            value,
             tensor.dtype.into(),
         );
     }

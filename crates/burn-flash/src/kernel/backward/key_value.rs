@@ -1,7 +1,9 @@
 //! dK and dV: one cube per block of keys of one key/value head. The cube owns its keys and values
 //! as tile operands and, for each query head of the group reading that key/value head, walks the
 //! query blocks that can see them, staging Q and dO. Summing the group in registers gives GQA's
-//! reduced dK/dV with no atomics and no per-query-head copy.
+//! reduced dK/dV with no atomics and no per-query-head copy. Given a dQ accumulator
+//! (`[b, h, seq_q, head_dim]` f32, contiguous, zeroed), it also adds each staged query block's
+//! `dS·K` to it with atomics, so no separate dQ launch is needed.
 
 use cubecl::prelude::*;
 
@@ -22,6 +24,7 @@ pub fn key_value_grads<E: Float, T: AttentionTile<E>>(
     delta: &Tensor<f32>,
     d_k: &mut Tensor<E>,
     d_v: &mut Tensor<E>,
+    d_q_accum: &mut ComptimeOption<Tensor<Atomic<f32>>>,
     scale: f32,
     band_left: u32,
     band_right: u32,
@@ -64,6 +67,8 @@ pub fn key_value_grads<E: Float, T: AttentionTile<E>>(
         second_step: d_out.stride(1),
         stat_base: batch * lse.stride(0) + first_head * lse.stride(1),
         stat_step: lse.stride(1),
+        accum_base: (batch * q.shape(1) + first_head) * band.seq_q * cfg.head_dim,
+        accum_step: band.seq_q * cfg.head_dim,
         members: group,
         first_block: first_query / cfg.block_kv,
         end_block: end_query.div_ceil(cfg.block_kv),
@@ -85,6 +90,7 @@ pub fn key_value_grads<E: Float, T: AttentionTile<E>>(
         scale,
         &mut grad_k,
         &mut grad_v,
+        d_q_accum,
         true,
         cfg,
     );

@@ -4,15 +4,18 @@ use std::sync::OnceLock;
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+use cubecl::ir::features::AtomicUsage;
+use cubecl::ir::{ElemType, FloatKind, Type};
 use cubecl::prelude::*;
 
 use super::key_value::key_value_grads;
-use super::query::query_grads;
+use super::query::{finish_query_grads, query_grads};
 use super::row_dot::row_dot;
-use crate::kernel::config::{ScoreParams, TileConfig};
+use crate::kernel::config::{ScoreParams, TileConfig, MMA_M};
 use crate::kernel::launch::{
-    check_copy_split, cube_dim, fits_shared, output, shape_override, usable_tile,
+    check_copy_split, cube_dim, fill_tensor, fits_shared, output, shape_override, usable_tile,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 use crate::kernel::TilePath;
@@ -49,9 +52,34 @@ fn backward_config(tile: TilePath, head_dim: usize, value_dim: usize) -> TileCon
     }
 }
 
+/// Whether dQ can be added by f32 atomics from the dK/dV launch with these blocks: the runtime
+/// adds f32 atomically, every plane gets whole m16 blocks of the staged queries, and the
+/// transpose scratch fits in shared memory. Otherwise dQ takes its own launch. The portable
+/// tile's per-unit atomics are slower than that launch, so it takes them only when a test asks
+/// ([`portable_atomic_dq`](crate::testing::portable_atomic_dq)).
+fn atomic_dq_usable<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    cfg: &TileConfig,
+    elem_size: usize,
+) -> bool {
+    let f32_atomic = Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32)));
+    let adds = client
+        .properties()
+        .atomic_type_usage(f32_atomic)
+        .contains(AtomicUsage::Add);
+    let whole_blocks = match cfg.tile {
+        TilePath::TensorCore => cfg.block_kv.is_multiple_of(cfg.planes * MMA_M),
+        TilePath::Portable => crate::testing::portable_atomic_dq_enabled(),
+    };
+    let atomic = cfg.with_atomic_dq(true);
+    adds && whole_blocks
+        && fits_shared(client, "backward", atomic.backward_shared_bytes(elem_size)).is_ok()
+}
+
 /// Gradients `(dq, dk, dv)` of the fused attention, from its inputs, its output `out`, its
 /// log-sum-exp `lse` (`[b, h, sq]`, f32) and the output gradient `d_out`. Inputs as for
-/// [`forward`](crate::kernel::forward), accepted by [`backward_support`].
+/// [`forward`](crate::kernel::forward), accepted by [`backward_support`]. Unless
+/// `deterministic`, dQ is summed by f32 atomics where [`atomic_dq_usable`] allows it.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -61,6 +89,7 @@ pub fn backward<R: CubeRuntime>(
     lse: CubeTensor<R>,
     d_out: CubeTensor<R>,
     params: ScoreParams,
+    deterministic: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let [q, k, v, out, lse, d_out] = [q, k, v, out, lse, d_out].map(into_contiguous);
     let dims = q.meta.shape().clone();
@@ -80,6 +109,21 @@ pub fn backward<R: CubeRuntime>(
         .unwrap_or_else(|reason| panic!("fused backward launched on unsupported input: {reason}"));
     let cfg = backward_config(tile, head_dim, value_dim)
         .with_scores(params.mask, params.softcap.is_some());
+    let cfg = cfg.with_atomic_dq(
+        !deterministic && seq_q > 0 && atomic_dq_usable(&client, &cfg, dtype.size()),
+    );
+    crate::testing::record_dq_launch(cfg.atomic_dq);
+    // The atomic dQ's f32 accumulator, contiguous and zeroed (see `key_value`).
+    let accum = cfg.atomic_dq.then(|| {
+        let accum = empty_device_contiguous_dtype(
+            client.clone(),
+            q.device.clone(),
+            Shape::new([batch, heads, seq_q, head_dim]),
+            DType::F32,
+        );
+        fill_tensor(&accum, 0.0);
+        accum
+    });
     let address = [&q, &k, &v, &out, &d_out, &d_q, &d_k, &d_v]
         .iter()
         .map(|t| t.required_address_type())
@@ -129,6 +173,12 @@ pub fn backward<R: CubeRuntime>(
                         delta.clone().into_tensor_arg(),
                         d_k.clone().into_tensor_arg(),
                         d_v.clone().into_tensor_arg(),
+                        match &accum {
+                            Some(accum) => {
+                                ComptimeOptionArgs::Some(accum.clone().into_tensor_arg())
+                            }
+                            None => ComptimeOptionArgs::None,
+                        },
                         params.scale,
                         params.left,
                         params.right,
@@ -137,7 +187,20 @@ pub fn backward<R: CubeRuntime>(
                         elem,
                     );
                 }
-                if seq_q > 0 {
+                if let Some(accum) = &accum {
+                    let units = batch * heads * seq_q * head_dim;
+                    let cube_dim = CubeDim::new(&client, units);
+                    finish_query_grads::launch_unchecked(
+                        &client,
+                        cubecl::calculate_cube_count_elemwise(&client, units, cube_dim),
+                        cube_dim,
+                        address,
+                        accum.clone().into_tensor_arg(),
+                        d_q.clone().into_tensor_arg(),
+                        params.scale,
+                        elem,
+                    );
+                } else if seq_q > 0 {
                     query_grads::launch_unchecked::<$tile, R>(
                         &client,
                         grid(seq_q, heads),

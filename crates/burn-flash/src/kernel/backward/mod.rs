@@ -7,8 +7,10 @@
 //!
 //! Three launches: [`row_dot`] computes `D`; [`key_value`] owns a block of keys per cube and walks
 //! the query blocks that see it (dK, dV); [`query`] owns a block of queries per cube and walks the
-//! key blocks it sees (dQ). Splitting dQ from dK/dV needs no atomics, so the result is
-//! deterministic. Both main launches share [`walk`], which runs on the forward's tile
+//! key blocks it sees (dQ), which needs no atomics and gives the same bits on every run (the
+//! default). With `deterministic` off, [`key_value`] instead adds each block's dQ to an f32
+//! accumulator with atomics (FlashAttention-2's scheme) and [`query`] only scales and casts it.
+//! Both main launches share [`walk`], which runs on the forward's tile
 //! ([`AttentionTile`](super::tile::AttentionTile)): tensor cores on CUDA, portable FMAs elsewhere.
 
 mod key_value;

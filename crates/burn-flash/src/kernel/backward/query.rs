@@ -47,8 +47,9 @@ pub fn query_grads<E: Float, T: AttentionTile<E>>(
     for reg in 0..query_cfg.out_regs() {
         grad_q[reg] = 0.0;
     }
-    // Owning queries, there is no second gradient.
+    // Owning queries, there is no second gradient and dQ is written directly.
     let mut unused = Array::<f32>::new(1usize);
+    let mut no_accum = ComptimeOption::<Tensor<Atomic<f32>>>::new_None();
 
     let (first_block, end_block) = kv_blocks(span.band, span.owned_start, cfg);
     let sweep = Sweep {
@@ -58,6 +59,8 @@ pub fn query_grads<E: Float, T: AttentionTile<E>>(
         second_step: 0,
         stat_base: batch * lse.stride(0) + head * lse.stride(1),
         stat_step: 0,
+        accum_base: 0,
+        accum_step: 0,
         members: 1,
         first_block,
         end_block,
@@ -74,6 +77,7 @@ pub fn query_grads<E: Float, T: AttentionTile<E>>(
         scale,
         &mut grad_q,
         &mut unused,
+        &mut no_accum,
         false,
         cfg,
     );
@@ -86,5 +90,19 @@ pub fn query_grads<E: Float, T: AttentionTile<E>>(
         if query < span.band.seq_q {
             d_q[dq_head + query * d_q.stride(2) + col] = E::cast_from(grad_q[reg] * scale);
         }
+    }
+}
+
+/// dQ from the atomic accumulator of the dK/dV launch: `d_q = scale · accum` in the input type,
+/// one unit per element of the two contiguous tensors.
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn finish_query_grads<E: Float>(
+    accum: &Tensor<f32>,
+    d_q: &mut Tensor<E>,
+    scale: f32,
+    #[define(E)] _dtype: StorageType,
+) {
+    if ABSOLUTE_POS < d_q.len() {
+        d_q[ABSOLUTE_POS] = E::cast_from(accum[ABSOLUTE_POS] * scale);
     }
 }

@@ -2,7 +2,8 @@
 //! for dQ) as two tile operands and walks blocks of the other side staged in shared memory. Per
 //! staged block it recomputes `P` from the scores and the saved log-sum-exp, forms
 //! `dS = P ∘ (dP − D)`, and accumulates the owned rows' gradients with the same tile products as
-//! the forward (`scores` for `K·Qᵀ`/`V·dOᵀ`, `accumulate` for `Pᵀ·dO`/`dSᵀ·Q`/`dS·K`).
+//! the forward (`scores` for `K·Qᵀ`/`V·dOᵀ`, `accumulate` for `Pᵀ·dO`/`dSᵀ·Q`/`dS·K`). Owning
+//! keys with an atomic dQ, it also adds `dSᵀ·K` to the staged queries' dQ accumulator.
 
 use cubecl::prelude::*;
 
@@ -37,6 +38,10 @@ pub struct Sweep {
     /// contiguous, so one step serves both).
     pub stat_base: usize,
     pub stat_step: usize,
+    /// Offset of member 0's head in the dQ accumulator and the step per member (atomic dQ
+    /// only).
+    pub accum_base: usize,
+    pub accum_step: usize,
     pub members: usize,
     pub first_block: usize,
     pub end_block: usize,
@@ -67,6 +72,7 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
     scale: f32,
     grad_first: &mut Array<f32>,
     grad_second: &mut Array<f32>,
+    accum: &mut ComptimeOption<Tensor<Atomic<f32>>>,
     #[comptime] owns_keys: bool,
     #[comptime] cfg: TileConfig,
 ) {
@@ -95,6 +101,7 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
             SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.head_dim), 16usize);
         let mut second_stages =
             SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.value_dim), 16usize);
+        let mut scratch = SharedMemory::<E>::new_aligned(cfg.transpose_scratch(), 16usize);
         let barriers = StageBarriers::new();
         sync_cube();
         if steps > 0 {
@@ -147,11 +154,15 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
                 scale,
                 grad_first,
                 grad_second,
+                &mut scratch,
+                accum,
+                sweep.accum_base + member * sweep.accum_step,
                 owns_keys,
                 cfg,
             );
         }
     } else {
+        let mut scratch = SharedMemory::<E>::new(1usize);
         let mut first_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.head_dim));
         let mut second_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.value_dim));
         for step in 0..steps {
@@ -197,6 +208,9 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
                 scale,
                 grad_first,
                 grad_second,
+                &mut scratch,
+                accum,
+                sweep.accum_base + member * sweep.accum_step,
                 owns_keys,
                 cfg,
             );
@@ -237,7 +251,8 @@ fn fetch_step<E: Float>(
 }
 
 /// Gradients from the staged block at `stage` whose first row is `staged_start`:
-/// owning keys, `dV += Pᵀ·dO` and `dK += dSᵀ·Q`; owning queries, `dQ += dS·K` (unscaled).
+/// owning keys, `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, and with an accumulator its block of
+/// `dQ += dS·K` by atomics; owning queries, `dQ += dS·K`. All unscaled.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn block_grads<E: Float, T: AttentionTile<E>>(
@@ -256,6 +271,9 @@ fn block_grads<E: Float, T: AttentionTile<E>>(
     scale: f32,
     grad_first: &mut Array<f32>,
     grad_second: &mut Array<f32>,
+    scratch: &mut SharedMemory<E>,
+    accum: &mut ComptimeOption<Tensor<Atomic<f32>>>,
+    accum_base: usize,
     #[comptime] owns_keys: bool,
     #[comptime] cfg: TileConfig,
 ) {
@@ -336,4 +354,17 @@ fn block_grads<E: Float, T: AttentionTile<E>>(
         grad_first,
         comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim)),
     );
+    #[comptime]
+    if let ComptimeOption::Some(accum) = accum {
+        T::add_transposed_product(
+            &grads,
+            first_owned,
+            scratch,
+            accum,
+            accum_base,
+            staged_start,
+            span.band.seq_q,
+            comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim)),
+        );
+    }
 }

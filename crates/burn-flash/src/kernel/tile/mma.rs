@@ -14,7 +14,7 @@ use cubecl::prelude::*;
 
 use super::AttentionTile;
 use crate::kernel::config::{TileConfig, CHUNK, MMA_K, MMA_M, MMA_N};
-use crate::kernel::stage::{copy_block_async, swizzled_offset};
+use crate::kernel::stage::{copy_block_async, stage_offset, swizzled_offset};
 
 /// Two 16-bit values in one 32-bit register, or two f32 accumulators: the MMA register unit.
 type Pair<T> = Vector<T, Const<2>>;
@@ -145,6 +145,146 @@ fn acc_block_position<E: Float>(
     )
 }
 
+/// One 16-deep step of `acc += A · R`: `a` holds the A operands of `m_tiles` m16 blocks
+/// (4 registers each), `R` is rows `row0..row0 + 16` of the row-major, swizzled block at `base`
+/// in `rows` (`width` wide), columns `col0..col0 + cols`; `acc` holds `cols / 8` n-tiles per
+/// m16 block. `ldmatrix.x4.trans` on R: matrices (rows +0, cols +0), (+8, +0), (+0, +8),
+/// (+8, +8) are the B operands of two n-tiles.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn rows_product<E: Float>(
+    a: &Array<Pair<E>>,
+    rows: &SharedMemory<E>,
+    base: usize,
+    acc_regs: &mut Array<f32>,
+    #[comptime] row0: usize,
+    #[comptime] col0: usize,
+    #[comptime] cols: usize,
+    #[comptime] width: usize,
+    #[comptime] m_tiles: usize,
+) {
+    let def = definition::<E>();
+    let lane = UNIT_POS_X as usize;
+    let lane_row = (lane / 8usize) % 2usize * 8usize + lane % 8usize;
+    let lane_chunk = lane / 16usize;
+    let out_tiles = comptime!(cols / MMA_N);
+    #[unroll]
+    for tiles in 0..cols / (2 * MMA_N) {
+        let at = base
+            + swizzled_offset(
+                lane_row,
+                lane_chunk,
+                row0,
+                comptime!((col0 + tiles * 2 * MMA_N) / CHUNK),
+                width,
+            );
+        let b = def.load_matrix::<E, Const<2>>(
+            &rows.slice(at, at + CHUNK),
+            MatrixIdent::B,
+            4usize,
+            true,
+        );
+        #[unroll]
+        for half in 0..2usize {
+            #[unroll]
+            for m in 0..m_tiles {
+                let tile = comptime!(m * out_tiles + tiles * 2 + half);
+                let mut acc = load_acc(acc_regs, tile);
+                def.execute_inplace(
+                    &operand::<E>(a, comptime!(m * 4), 4usize),
+                    &operand::<E>(&b, comptime!(half * 2), 2usize),
+                    &mut acc,
+                );
+                store_acc(&acc, acc_regs, tile);
+            }
+        }
+    }
+}
+
+/// `accum += Gᵀ · owned` for this plane's `cfg.block_kv / cfg.planes` staged rows: `scratch`
+/// holds `G` (owned × staged, swizzled, `cfg.block_kv` wide), `owned` the owned rows
+/// (`cfg.head_dim` wide). The head dim is covered 64 columns at a time so that the f32
+/// accumulators (32 registers per chunk) fit beside the launch's dK and dV; each chunk is then
+/// added to `accum` with one atomic per element.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn transposed_product<E: Float>(
+    scratch: &SharedMemory<E>,
+    owned: &SharedMemory<E>,
+    accum: &mut Tensor<Atomic<f32>>,
+    accum_base: usize,
+    staged_start: usize,
+    staged_len: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    let def = definition::<E>();
+    let m_tiles = comptime!(cfg.block_kv / cfg.planes / MMA_M);
+    let chunk_cols = comptime!(if cfg.head_dim > 64 { 64 } else { cfg.head_dim });
+    let out_tiles = comptime!(chunk_cols / MMA_N);
+    let lane = UNIT_POS_X as usize;
+    let plane_first = UNIT_POS_Y as usize * comptime!(cfg.block_kv / cfg.planes);
+    // ldmatrix.x4.trans on G rows: lane l addresses owned row l / 16 · 8 + l % 8 at the 8 staged
+    // columns (l / 8) % 2, giving the matrices (staged +0, owned +0), (+8, +0), (+0, +8),
+    // (+8, +8): the A operand of one 16-deep step of Gᵀ.
+    let g_row = lane / 16usize * 8usize + lane % 8usize;
+    let g_chunk = lane / 8usize % 2usize;
+    let row_stride = accum.stride(2);
+    #[unroll]
+    for part in 0..cfg.head_dim / chunk_cols {
+        let mut acc_regs = Array::<f32>::new(comptime!(m_tiles * out_tiles * 4));
+        #[unroll]
+        for reg in 0..m_tiles * out_tiles * 4 {
+            acc_regs[reg] = 0.0;
+        }
+        #[unroll]
+        for step in 0..cfg.block_q / MMA_K {
+            let mut a = Array::<Pair<E>>::new(comptime!(m_tiles * 4));
+            #[unroll]
+            for m in 0..m_tiles {
+                let at = swizzled_offset(
+                    g_row,
+                    (plane_first + comptime!(m * MMA_M)) / CHUNK + g_chunk,
+                    comptime!(step * MMA_K),
+                    0usize,
+                    cfg.block_kv,
+                );
+                let fragment = def.load_matrix::<E, Const<2>>(
+                    &scratch.slice(at, at + CHUNK),
+                    MatrixIdent::A,
+                    4usize,
+                    true,
+                );
+                #[unroll]
+                for i in 0..4usize {
+                    a[comptime!(m * 4 + i)] = fragment[i];
+                }
+            }
+            rows_product::<E>(
+                &a,
+                owned,
+                0usize,
+                &mut acc_regs,
+                comptime!(step * MMA_K),
+                comptime!(part * chunk_cols),
+                chunk_cols,
+                cfg.head_dim,
+                m_tiles,
+            );
+        }
+        #[unroll]
+        for reg in 0..m_tiles * out_tiles * 4 {
+            let local = comptime!(reg % (out_tiles * 4));
+            let (row, col) = acc_position::<E>(comptime!(local % 4));
+            let staged =
+                staged_start + plane_first + comptime!(reg / (out_tiles * 4) * MMA_M) + row;
+            if staged < staged_len {
+                let column = comptime!(part * chunk_cols + local / 4 * MMA_N) + col;
+                accum[accum_base + staged * row_stride + column].fetch_add(acc_regs[reg]);
+            }
+        }
+    }
+}
+
 #[cube]
 impl<E: Float> AttentionTile<E> for MmaTile {
     type Query = MmaQuery<E>;
@@ -272,15 +412,8 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         out: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
     ) {
-        let def = definition::<E>();
         let m_tiles = comptime!(cfg.m_tiles());
         let score_tiles = comptime!(cfg.block_kv / MMA_N);
-        let out_tiles = comptime!(cfg.value_dim / MMA_N);
-        // ldmatrix.x4.trans on V rows: matrices (keys +0, cols +0), (keys +8, cols +0),
-        // (keys +0, cols +8), (keys +8, cols +8) are the B operands of two n-tiles.
-        let lane = UNIT_POS_X as usize;
-        let key_row = (lane / 8usize) % 2usize * 8usize + lane % 8usize;
-        let lane_chunk = lane / 16usize;
         #[unroll]
         for step in 0..cfg.block_kv / MMA_K {
             // The S accumulators of n-tiles 2·step and 2·step + 1 of an m16 block are laid out
@@ -296,38 +429,51 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                         pair::<E>(E::cast_from(probs[reg]), E::cast_from(probs[reg + 1]));
                 }
             }
-            #[unroll]
-            for tiles in 0..cfg.value_dim / (2 * MMA_N) {
-                let at = stage_base
-                    + swizzled_offset(
-                        key_row,
-                        lane_chunk,
-                        comptime!(step * MMA_K),
-                        comptime!(tiles * 2 * MMA_N / CHUNK),
-                        cfg.value_dim,
-                    );
-                let b = def.load_matrix::<E, Const<2>>(
-                    &values.slice(at, at + CHUNK),
-                    MatrixIdent::B,
-                    4usize,
-                    true,
-                );
-                #[unroll]
-                for half in 0..2usize {
-                    #[unroll]
-                    for m in 0..m_tiles {
-                        let tile = comptime!(m * out_tiles + tiles * 2 + half);
-                        let mut acc = load_acc(out, tile);
-                        def.execute_inplace(
-                            &operand::<E>(&p, comptime!(m * 4), 4usize),
-                            &operand::<E>(&b, comptime!(half * 2), 2usize),
-                            &mut acc,
-                        );
-                        store_acc(&acc, out, tile);
-                    }
-                }
-            }
+            rows_product::<E>(
+                &p,
+                values,
+                stage_base,
+                out,
+                comptime!(step * MMA_K),
+                0usize,
+                cfg.value_dim,
+                cfg.value_dim,
+                m_tiles,
+            );
         }
+    }
+
+    fn add_transposed_product(
+        grads: &Array<f32>,
+        owned: &MmaQuery<E>,
+        scratch: &mut SharedMemory<E>,
+        accum: &mut Tensor<Atomic<f32>>,
+        accum_base: usize,
+        staged_start: usize,
+        staged_len: usize,
+        #[comptime] cfg: TileConfig,
+    ) {
+        // G goes to shared memory as [owned row][staged column], swizzled like the stages, so
+        // that each plane can read the A operand of Gᵀ for its own staged rows over all owned
+        // rows.
+        #[unroll]
+        for pair_reg in 0..cfg.score_regs() / 2 {
+            let reg = comptime!(pair_reg * 2);
+            let (row, col) = acc_block_position::<E>(reg, cfg.block_kv, cfg);
+            let at = stage_offset(row, col, cfg.block_kv, true);
+            scratch[at] = E::cast_from(grads[reg]);
+            scratch[at + 1] = E::cast_from(grads[comptime!(reg + 1)]);
+        }
+        sync_cube();
+        transposed_product::<E>(
+            scratch,
+            &owned.stage,
+            accum,
+            accum_base,
+            staged_start,
+            staged_len,
+            cfg,
+        );
     }
 
     fn score_position(#[comptime] reg: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {

@@ -48,6 +48,25 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         #[comptime] cfg: TileConfig,
     );
 
+    /// Add `Gᵀ · owned` to the staged rows' gradient in `accum` with f32 atomic adds (dQ from a
+    /// cube that owns keys). `grads` are this unit's registers of `G` (owned rows × staged rows,
+    /// laid out as [`scores`](Self::scores) leaves them), `owned` the owned rows as
+    /// [`load_query`](Self::load_query) gave them (`cfg.head_dim` wide). Staged row `r` adds into
+    /// row `staged_start + r` of `accum` from `accum_base`; rows at or past `staged_len` are
+    /// skipped. `scratch` holds `cfg.block_q · cfg.block_kv` elements; the caller synchronises
+    /// the cube before `scratch` is written again.
+    #[allow(clippy::too_many_arguments)]
+    fn add_transposed_product(
+        grads: &Array<f32>,
+        owned: &Self::Query,
+        scratch: &mut SharedMemory<E>,
+        accum: &mut Tensor<Atomic<f32>>,
+        accum_base: usize,
+        staged_start: usize,
+        staged_len: usize,
+        #[comptime] cfg: TileConfig,
+    );
+
     /// (query row within the block, key column within the KV block) of score register `reg`.
     fn score_position(#[comptime] reg: usize, #[comptime] cfg: TileConfig) -> (usize, usize);
 

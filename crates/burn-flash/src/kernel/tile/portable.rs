@@ -74,6 +74,31 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         }
     }
 
+    fn add_transposed_product(
+        grads: &Array<f32>,
+        owned: &Array<f32>,
+        _scratch: &mut SharedMemory<E>,
+        accum: &mut Tensor<Atomic<f32>>,
+        accum_base: usize,
+        staged_start: usize,
+        staged_len: usize,
+        #[comptime] cfg: TileConfig,
+    ) {
+        // Each unit adds its own row's outer product: no exchange between units, one atomic per
+        // (unit, staged row, column). Owned rows past the end are zeros and add nothing.
+        let row_stride = accum.stride(2);
+        #[unroll]
+        for j in 0..cfg.block_kv {
+            let row = staged_start + j;
+            if row < staged_len {
+                let base = accum_base + row * row_stride;
+                for c in 0..cfg.head_dim {
+                    accum[base + c].fetch_add(grads[j] * owned[c]);
+                }
+            }
+        }
+    }
+
     fn score_position(#[comptime] reg: usize, #[comptime] _cfg: TileConfig) -> (usize, usize) {
         (UNIT_POS as usize, reg)
     }
