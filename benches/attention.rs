@@ -50,7 +50,7 @@ use burn_flash::{
 
 const USAGE: &str = "\
 usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
-                 [--causal both|true|false] [--window LEFT]
+                 [--causal both|true|false] [--window LEFT] [--softcap CAP]
                  [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
                  [--backend auto|cuda|wgpu] [--iters N] [--warmup N] [--sets N]
                  [--budget-ms MS] [--row-seconds S] [--modes fwd,fwdbwd] [--memory]
@@ -59,7 +59,8 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
 --hkv:     key/value heads (grouped-query attention); 0 (default) means h. Burn's peers get
            k and v expanded to h heads, as a Burn model without a GQA kernel would.
 --window:  a sliding window of LEFT keys before each query's diagonal (burn-flash only; its
-           rows are named burn-flash-swaLEFT, their TFLOPS count the visible pairs exactly).";
+           rows are named burn-flash-swaLEFT, their TFLOPS count the visible pairs exactly).
+--softcap: scores pass through CAP·tanh(s / CAP) (burn-flash only; rows burn-flash-capCAP).";
 
 const IMPLS: [&str; 3] = ["burn-flash", "burn-unfused", "burn-builtin"];
 
@@ -71,6 +72,7 @@ struct Args {
     h: usize,
     hkv: usize,
     window: Option<usize>,
+    softcap: Option<f64>,
     causal: Vec<bool>,
     impls: Vec<String>,
     dtype: Option<DType>,
@@ -109,6 +111,7 @@ fn parse_args() -> Args {
         h: 0,
         hkv: 0,
         window: None,
+        softcap: None,
         causal: vec![false, true],
         impls: IMPLS.iter().map(|s| s.to_string()).collect(),
         dtype: None,
@@ -149,6 +152,7 @@ fn parse_args() -> Args {
             "--h" => args.h = number(&value) as usize,
             "--hkv" => args.hkv = number(&value) as usize,
             "--window" => args.window = Some(number(&value) as usize),
+            "--softcap" => args.softcap = Some(number(&value)),
             "--causal" => {
                 args.causal = match value.as_str() {
                     "both" => vec![false, true],
@@ -374,6 +378,9 @@ fn run<B: FlashAttentionBackend>(
                     }
                     None => (n * n) as f64 / if causal { 2.0 } else { 1.0 },
                 };
+                if let Some(cap) = args.softcap {
+                    options = options.with_softcap(cap);
+                }
                 let forward_flops = 4.0 * (b * h * d) as f64 * pairs;
                 let flops = forward_flops * if mode == "fwdbwd" { 3.5 } else { 1.0 };
                 let prefix = format!(
@@ -394,14 +401,19 @@ fn run<B: FlashAttentionBackend>(
                     Err(e) => eprintln!("burn-flash refuses b {b} h {h} n {n} d {d}: {e}"),
                 }
                 for name in &args.impls {
-                    let row = match args.window {
-                        Some(left) if name == "burn-flash" => format!("{name}-swa{left},{prefix}"),
-                        Some(_) => {
-                            println!("# {name},{prefix},{mode} skipped: no sliding window");
-                            continue;
-                        }
-                        None => format!("{name},{prefix}"),
-                    };
+                    // Burn's attentions have neither windows nor a softcap.
+                    let mut variant = String::new();
+                    if let Some(left) = args.window {
+                        variant += &format!("-swa{left}");
+                    }
+                    if let Some(cap) = args.softcap {
+                        variant += &format!("-cap{cap}");
+                    }
+                    if !variant.is_empty() && name != "burn-flash" {
+                        println!("# {name},{prefix},{mode} skipped: no{variant} variant");
+                        continue;
+                    }
+                    let row = format!("{name}{variant},{prefix}");
                     let key = (name.clone(), d, causal);
                     // A peer too slow at a shorter length is not started again: its first call
                     // (compilation, autotune) cannot be interrupted.

@@ -3,6 +3,7 @@
 # scripts/pack-gpu.sh left in .gpu/. Everything it measures goes under $OUT.
 #
 #   scripts/gpu-run.sh tests   # CUDA tests (fail loudly without a device)
+#   scripts/gpu-run.sh ptests  # the same, one process per test, all at once (TEST_TIMEOUT each)
 #   scripts/gpu-run.sh sources # dump the fused kernels' generated CUDA source (forward, backward)
 #   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV
 #   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
@@ -29,6 +30,22 @@ for stage in "$@"; do
       echo "== $t"
       BURN_FLASH_REQUIRE_CUDA=1 "$t" --test-threads 1 ${TEST_FILTER:-} 2>&1 | tee "$OUT/$(basename "$t").log" | tail -25
     done
+    ;;
+  ptests)
+    # Most of a test's time is NVRTC compiles and Burn's autotune (CPU), so the tests overlap
+    # well; timings are not taken here.
+    for t in .gpu/test-*; do
+      for name in $("$t" --list 2>/dev/null | sed -n 's/: test$//p'); do
+        ( BURN_FLASH_REQUIRE_CUDA=1 CUBECL_AUTOTUNE_LEVEL=minimal timeout "${TEST_TIMEOUT:-300}" \
+            "$t" --exact "$name" --nocapture >"$OUT/$(basename "$t").$name.log" 2>&1
+          echo "$(basename "$t") $name rc=$?" >>"$OUT/ptests.txt" ) &
+      done
+    done
+    wait
+    sort "$OUT/ptests.txt"
+    # One file back instead of one per test.
+    for f in "$OUT"/test-*.log; do echo "=== $f"; cat "$f"; done >"$OUT/ptests.log"
+    rm -f "$OUT"/test-*.log
     ;;
   sources)
     # The fused kernels' generated CUDA source, for register/spill checks where ptxas is.

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 rm -rf .gpu && mkdir -p .gpu
 # Only the CUDA suites: each test binary costs minutes to build on two cores.
 cargo test --release --features cuda --test forward_cuda --test backward_cuda --no-run \
-  --message-format json 2>/dev/null \
+  --message-format json \
   | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -17,7 +17,7 @@ for line in sys.stdin:
 ' | while read -r name exe; do
   cp "$exe" ".gpu/test-$name"
 done
-cargo bench --features cuda --no-run --message-format json 2>/dev/null \
+cargo bench --features cuda --no-run --message-format json \
   | python3 -c '
 import json, sys
 for line in sys.stdin:
