@@ -36,7 +36,7 @@
 //! still allocated (`bytes_in_use`). Run one length per process for clean figures.
 
 use std::collections::HashMap;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::{Duration, Instant};
 
 use burn::backend::wgpu::WgpuDevice;
@@ -45,7 +45,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::{DType, Distribution, Tensor};
 use burn_flash::{
-    flash_attention, flash_attention_plan, FlashAttentionBackend, FlashAttentionOptions,
+    FlashAttentionBackend, FlashAttentionOptions, flash_attention, flash_attention_plan,
 };
 
 const USAGE: &str = "\
@@ -225,11 +225,7 @@ fn dtype_name(dtype: DType) -> &'static str {
 
 /// Python's spelling of a bool, as `torch_sdpa_bench.py` prints it.
 fn py_bool(value: bool) -> &'static str {
-    if value {
-        "True"
-    } else {
-        "False"
-    }
+    if value { "True" } else { "False" }
 }
 
 fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {

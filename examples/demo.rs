@@ -11,12 +11,12 @@
 
 use std::time::{Duration, Instant};
 
-use burn::backend::wgpu::WgpuDevice;
 use burn::backend::Wgpu;
+use burn::backend::wgpu::WgpuDevice;
 use burn::tensor::module::attention_fallback;
 use burn::tensor::{DType, Distribution, ElementConversion, Tensor};
 use burn_flash::{
-    flash_attention, flash_attention_plan, FlashAttentionBackend, FlashAttentionOptions,
+    FlashAttentionBackend, FlashAttentionOptions, flash_attention, flash_attention_plan,
 };
 
 fn main() {
@@ -38,7 +38,9 @@ fn main() {
 fn demo<B: FlashAttentionBackend>(device: B::Device, name: &str, dtype: DType, dims: [usize; 4]) {
     let [batch, heads, seq, head_dim] = dims;
     println!("device:  {name} ({device:?})");
-    println!("inputs:  q, k, v of [batch {batch}, heads {heads}, seq {seq}, head_dim {head_dim}] in {dtype:?}, causal");
+    println!(
+        "inputs:  q, k, v of [batch {batch}, heads {heads}, seq {seq}, head_dim {head_dim}] in {dtype:?}, causal"
+    );
 
     B::seed(&device, 42);
     let [q, k, v] = [(); 3]

@@ -13,8 +13,8 @@ pub fn cuda_device() -> Result<burn::backend::cuda::CudaDevice, String> {
     use std::panic::{self, PanicHookInfo};
     use std::sync::{Arc, Mutex, OnceLock};
 
-    use burn::backend::cuda::CudaDevice;
     use burn::backend::Cuda;
+    use burn::backend::cuda::CudaDevice;
     use burn::tensor::Tensor;
 
     static PROBE: OnceLock<Result<(), String>> = OnceLock::new();

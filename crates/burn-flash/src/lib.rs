@@ -51,7 +51,7 @@ mod options;
 #[doc(hidden)]
 pub mod testing;
 
-pub use api::{flash_attention, flash_attention_plan, try_flash_attention, FlashAttentionPlan};
+pub use api::{FlashAttentionPlan, flash_attention, flash_attention_plan, try_flash_attention};
 pub use backend::{
     FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
 };

@@ -14,10 +14,10 @@
 use burn::config::Config;
 use burn::module::{Initializer, Module};
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
-use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::Tensor;
+use burn::tensor::module::{attention, attention_fallback};
 
-use crate::{flash_attention, FlashAttentionBackend, FlashAttentionOptions};
+use crate::{FlashAttentionBackend, FlashAttentionOptions, flash_attention};
 
 /// Which implementation computes the attention inside [`FlashMultiHeadAttention`]. All three
 /// compute the same function; they differ in speed and memory.

@@ -18,7 +18,7 @@ use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Wgpu};
 use burn::tensor::{DType, Distribution, Tensor};
 use burn_flash::nn::AttentionKernel;
-use burn_flash::{flash_attention_plan, FlashAttentionBackend, FlashAttentionOptions};
+use burn_flash::{FlashAttentionBackend, FlashAttentionOptions, flash_attention_plan};
 use cubecl::Runtime;
 
 use gpt::data;
@@ -203,7 +203,7 @@ fn run(args: &Args) -> Result<(), String> {
                 return train_on::<Autodiff<burn::backend::Cuda>>(args, device, "CUDA", &reserved);
             }
             Err(reason) if args.device == "cuda" => {
-                return Err(format!("no CUDA device: {reason}"))
+                return Err(format!("no CUDA device: {reason}"));
             }
             Err(reason) => eprintln!("no CUDA device ({reason}); running on wgpu"),
         }
@@ -307,9 +307,10 @@ where
             .tokens_per_second
             .map_or("-".into(), |t| format!("{t:.0}")),
         train::UNTIMED_STEPS + 1,
-        report
-            .peak_reserved
-            .map_or("-".into(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64)),
+        report.peak_reserved.map_or("-".into(), |b| format!(
+            "{:.1} MiB",
+            b as f64 / (1 << 20) as f64
+        )),
         report.first_train_loss,
         report.final_train_loss,
         report.first_val_loss,

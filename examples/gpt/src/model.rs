@@ -9,8 +9,8 @@ use burn::nn::{
     LinearConfig,
 };
 use burn::tensor::{DType, Int, Tensor};
-use burn_flash::nn::{AttentionKernel, FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
 use burn_flash::FlashAttentionBackend;
+use burn_flash::nn::{AttentionKernel, FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
 
 /// GPT-2's initialisation of embeddings and projections.
 const INIT: Initializer = Initializer::Normal {

@@ -17,7 +17,7 @@ use burn_flash::FlashAttentionBackend;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::data::{decode, Batch, Batches};
+use crate::data::{Batch, Batches, decode};
 use crate::model::Gpt;
 
 /// The first steps compile kernels and autotune; throughput is measured after them.

@@ -1,16 +1,16 @@
 //! The API on wgpu (lavapipe in CI): validation, the no-launch cases, the fused path on the
 //! `Fusion` alias and on the bare `CubeBackend`, the fallback. Small shapes: it may be a CPU.
 
-use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
 use burn::backend::Wgpu;
+use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::attention_fallback;
 use burn::tensor::{DType, Distribution, Tensor, TensorPrimitive};
 use burn_cubecl::CubeBackend;
 
 use crate::{
-    flash_attention, flash_attention_plan, try_flash_attention, FlashAttentionBackend,
-    FlashAttentionError, FlashAttentionOptions, FlashAttentionPlan, TilePath,
+    FlashAttentionBackend, FlashAttentionError, FlashAttentionOptions, FlashAttentionPlan,
+    TilePath, flash_attention, flash_attention_plan, try_flash_attention,
 };
 
 type Bare = CubeBackend<WgpuRuntime, f32, i32, u32>;
@@ -84,9 +84,11 @@ fn strided_inputs_are_made_contiguous() {
     let k = heads_second([2, 45, 3, 64]);
     let v = random::<Wgpu>([2, 3, 64, 45], &device).swap_dims(2, 3);
     let options = FlashAttentionOptions::causal();
-    assert!(flash_attention_plan(&q, &k, &v, options)
-        .unwrap()
-        .is_fused());
+    assert!(
+        flash_attention_plan(&q, &k, &v, options)
+            .unwrap()
+            .is_fused()
+    );
     let expected = attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options.into());
     let got = flash_attention(q, k, v, options);
     assert!(max_diff(got, expected) < 1e-4);
@@ -231,8 +233,8 @@ fn flash_attention_panics_with_the_error_message() {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
-    use burn::backend::cuda::CudaDevice;
     use burn::backend::Cuda;
+    use burn::backend::cuda::CudaDevice;
     use cubecl::cuda::CudaRuntime;
 
     fn half_precision<B: FlashAttentionBackend>(dtype: DType) {
@@ -280,12 +282,13 @@ mod cuda {
         );
         let lse = Tensor::<Cuda, 3>::from_primitive(TensorPrimitive::Float(forward.lse));
         assert_eq!((lse.dims(), lse.dtype()), ([1, 2, 9], DType::F32));
-        assert!(lse
-            .to_data()
-            .to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .all(|x| x.is_finite()));
+        assert!(
+            lse.to_data()
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .all(|x| x.is_finite())
+        );
     }
 
     #[test]

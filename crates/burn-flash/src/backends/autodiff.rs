@@ -2,14 +2,14 @@
 //! whose backward runs the fused backward kernels. It saves `q`, `k`, `v`, the output and the
 //! log-sum-exp: no `seq_q × seq_k` tensor is kept between the passes.
 
+use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::backend::Autodiff;
+use burn::tensor::Device;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::Device;
 
 use crate::backend::{
     FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,

@@ -1,15 +1,15 @@
 //! [`FlashAttentionBackend`] for `CubeBackend`: the kernels of [`crate::kernel`], on any CubeCL
 //! runtime.
 
-use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
+use burn::tensor::ops::FloatTensor;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use crate::backend::{
     FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
 };
-use crate::{kernel, FlashAttentionOptions, TilePath};
+use crate::{FlashAttentionOptions, TilePath, kernel};
 
 impl<R, F, I, BT> FlashAttentionBackend for CubeBackend<R, F, I, BT>
 where

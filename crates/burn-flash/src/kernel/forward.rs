@@ -5,12 +5,12 @@
 
 use cubecl::prelude::*;
 
-use super::config::TileConfig;
-use super::mask::{apply_mask, block_needs_mask, kv_blocks, Band};
-use super::softmax::{finish, init_stats, online_update, softcap_scores, RowStats, Softcap};
-use super::stage::{fetch_stage, load_block, StageBarriers};
-use super::tile::AttentionTile;
 use super::TilePath;
+use super::config::TileConfig;
+use super::mask::{Band, apply_mask, block_needs_mask, kv_blocks};
+use super::softmax::{RowStats, Softcap, finish, init_stats, online_update, softcap_scores};
+use super::stage::{StageBarriers, fetch_stage, load_block};
+use super::tile::AttentionTile;
 
 /// Where the cube reads and writes, and the lengths that bound it.
 #[derive(CubeType, Clone, Copy)]

@@ -5,14 +5,14 @@ use std::sync::OnceLock;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
-use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
 use cubecl::features::{MmaConfig, Plane};
 use cubecl::prelude::*;
 
-use super::config::{ScoreParams, TileConfig, CHUNK};
+use super::TilePath;
+use super::config::{CHUNK, ScoreParams, TileConfig};
 use super::forward::flash_forward;
 use super::tile::{MmaTile, PortableTile};
-use super::TilePath;
 
 /// Largest head dim the portable tile unrolls (its query and output rows live in registers).
 const PORTABLE_MAX_DIM: usize = 128;

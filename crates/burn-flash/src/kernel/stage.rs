@@ -1,10 +1,10 @@
 //! Stage level: key/value blocks staged in shared memory, either by asynchronous 16-byte copies
 //! (tensor-core path, overlapped with the previous block's math) or by plain loads (portable).
 
-use cubecl::prelude::barrier::{copy_async_checked, Barrier};
+use cubecl::prelude::barrier::{Barrier, copy_async_checked};
 use cubecl::prelude::*;
 
-use super::config::{TileConfig, CHUNK};
+use super::config::{CHUNK, TileConfig};
 
 /// Offset of element (`row`, `col`) inside one staged block of `width` columns. With swizzle,
 /// 16-byte chunk `c` of row `r` lives at chunk `c ^ (r % 8)`: eight consecutive rows read at the

@@ -7,9 +7,9 @@
 
 use cubecl::prelude::*;
 
-use super::walk::{walk, Span, Sweep};
+use super::walk::{Span, Sweep, walk};
 use crate::kernel::config::TileConfig;
-use crate::kernel::mask::{query_range, Band};
+use crate::kernel::mask::{Band, query_range};
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
 

@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
-use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
 use cubecl::ir::features::AtomicUsage;
 use cubecl::ir::{ElemType, FloatKind, Type};
 use cubecl::prelude::*;
@@ -13,12 +13,12 @@ use cubecl::prelude::*;
 use super::key_value::key_value_grads;
 use super::query::{finish_query_grads, query_grads};
 use super::row_dot::row_dot;
-use crate::kernel::config::{ScoreParams, TileConfig, MMA_M};
+use crate::kernel::TilePath;
+use crate::kernel::config::{MMA_M, ScoreParams, TileConfig};
 use crate::kernel::launch::{
     check_copy_split, cube_dim, fill_tensor, fits_shared, output, shape_override, usable_tile,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
-use crate::kernel::TilePath;
 
 /// Whether the fused backward can run inputs of this dtype and head dims on this client, and
 /// with which tile (the same one the forward picks).

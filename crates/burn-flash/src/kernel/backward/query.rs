@@ -4,9 +4,9 @@
 
 use cubecl::prelude::*;
 
-use super::walk::{walk, Span, Sweep};
+use super::walk::{Span, Sweep, walk};
 use crate::kernel::config::TileConfig;
-use crate::kernel::mask::{kv_blocks, Band};
+use crate::kernel::mask::{Band, kv_blocks};
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
 

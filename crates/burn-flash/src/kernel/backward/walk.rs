@@ -7,12 +7,12 @@
 
 use cubecl::prelude::*;
 
-use crate::kernel::config::TileConfig;
-use crate::kernel::mask::{block_needs_mask, key_visible, Band};
-use crate::kernel::softmax::Softcap;
-use crate::kernel::stage::{fetch_stage, load_block, StageBarriers};
-use crate::kernel::tile::AttentionTile;
 use crate::kernel::TilePath;
+use crate::kernel::config::TileConfig;
+use crate::kernel::mask::{Band, block_needs_mask, key_visible};
+use crate::kernel::softmax::Softcap;
+use crate::kernel::stage::{StageBarriers, fetch_stage, load_block};
+use crate::kernel::tile::AttentionTile;
 
 /// Where a backward cube sits and the lengths that bound it.
 #[derive(CubeType, Clone, Copy)]

@@ -13,7 +13,7 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::AttentionTile;
-use crate::kernel::config::{TileConfig, CHUNK, MMA_K, MMA_M, MMA_N};
+use crate::kernel::config::{CHUNK, MMA_K, MMA_M, MMA_N, TileConfig};
 use crate::kernel::stage::{copy_block_async, stage_offset, swizzled_offset};
 
 /// Two 16-bit values in one 32-bit register, or two f32 accumulators: the MMA register unit.
