@@ -2,8 +2,9 @@
 # Runs on the GPU machine (no Rust there), from the repository root, with the binaries that
 # scripts/pack-gpu.sh left in .gpu/. Everything it measures goes under $OUT.
 #
-#   scripts/gpu-run.sh tests   # CUDA tests (fail loudly without a device)
+#   scripts/gpu-run.sh tests   # CUDA tests (TEST_FILTER, default `cuda`; fail loudly without a device)
 #   scripts/gpu-run.sh ptests  # the same, one process per test, all at once (TEST_TIMEOUT each)
+#   scripts/gpu-run.sh sanitize # compute-sanitizer (SANITIZERS) over the kernels on ragged shapes
 #   scripts/gpu-run.sh sources # dump the fused kernels' generated CUDA source (forward, backward)
 #   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV
 #   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
@@ -28,17 +29,18 @@ for stage in "$@"; do
   tests)
     for t in .gpu/test-*; do
       echo "== $t"
-      BURN_FLASH_REQUIRE_CUDA=1 "$t" --test-threads 1 ${TEST_FILTER:-} 2>&1 | tee "$OUT/$(basename "$t").log" | tail -25
+      BURN_FLASH_REQUIRE_CUDA=1 "$t" --test-threads 1 ${TEST_FILTER:-cuda} 2>&1 | tee "$OUT/$(basename "$t").log" | tail -25
     done
     ;;
   ptests)
     # Most of a test's time is NVRTC compiles and Burn's autotune (CPU), so the tests overlap
     # well; timings are not taken here.
     for t in .gpu/test-*; do
-      for name in $("$t" --list 2>/dev/null | sed -n 's/: test$//p'); do
+      for name in $("$t" --list ${TEST_FILTER:-cuda} 2>/dev/null | sed -n 's/: test$//p'); do
         ( BURN_FLASH_REQUIRE_CUDA=1 CUBECL_AUTOTUNE_LEVEL=minimal timeout "${TEST_TIMEOUT:-300}" \
-            "$t" --exact "$name" --nocapture >"$OUT/$(basename "$t").$name.log" 2>&1
-          echo "$(basename "$t") $name rc=$?" >>"$OUT/ptests.txt" ) &
+            "$t" --exact "$name" --nocapture >"$OUT/$(basename "$t").${name//::/.}.log" 2>&1
+          rc=$?  # before any other expansion resets it
+          echo "$(basename "$t") $name rc=$rc" >>"$OUT/ptests.txt" ) &
       done
     done
     wait
@@ -46,6 +48,22 @@ for stage in "$@"; do
     # One file back instead of one per test.
     for f in "$OUT"/test-*.log; do echo "=== $f"; cat "$f"; done >"$OUT/ptests.log"
     rm -f "$OUT"/test-*.log
+    ;;
+  sanitize)
+    # compute-sanitizer over every fused kernel on ragged shapes (the test below launches the
+    # forward and both backward dQ modes), one process per tool, all at once; exit code 9 means
+    # the tool reported an error.
+    for tool in ${SANITIZERS:-memcheck racecheck synccheck initcheck}; do
+      ( BURN_FLASH_REQUIRE_CUDA=1 CUBECL_AUTOTUNE_LEVEL=minimal timeout "${SANITIZE_TIMEOUT:-400}" \
+          compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 50 \
+          .gpu/test-suite --exact reliability::cuda::sanitizer_shapes_cuda --nocapture \
+          >"$OUT/sanitizer-$tool.log" 2>&1
+        rc=$?
+        echo "sanitizer $tool rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|test result' \
+          "$OUT/sanitizer-$tool.log" | tr '\n' ' ')" >>"$OUT/sanitizer.txt" ) &
+    done
+    wait
+    cat "$OUT/sanitizer.txt"
     ;;
   sources)
     # The fused kernels' generated CUDA source, for register/spill checks where ptxas is.

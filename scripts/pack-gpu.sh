@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu && mkdir -p .gpu
-# Only the CUDA suites: each test binary costs minutes to build on two cores.
-cargo test --release --features cuda --test forward_cuda --test backward_cuda --no-run \
+# The suite's one test binary (its CUDA tests are the modules `forward_cuda`, `backward_cuda`).
+cargo test --release --features cuda --test suite --no-run \
   --message-format json \
   | python3 -c '
 import json, sys

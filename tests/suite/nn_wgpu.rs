@@ -3,8 +3,7 @@
 //! module's own weights and against each other, the causal mask, and parameter gradients
 //! through `Autodiff<Wgpu>`.
 
-#[allow(dead_code)]
-mod common;
+use crate::common;
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Wgpu};
@@ -13,8 +12,8 @@ use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_flash::nn::{AttentionKernel, FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
-use burn_flash::{flash_attention_plan, FlashAttentionOptions, FlashAttentionPlan, TilePath};
-use common::{error, random_normal, reference_attention, to_host, Problem};
+use burn_flash::{FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention_plan};
+use common::{Problem, error, random_normal, reference_attention, to_host};
 
 const KERNELS: [AttentionKernel; 3] = [
     AttentionKernel::Flash,

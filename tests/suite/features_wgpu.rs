@@ -4,19 +4,18 @@
 //! own gradients are checked against finite differences here too). Outputs and gradients are
 //! poisoned with NaN before the kernels run.
 
-#[allow(dead_code)]
-mod common;
+use crate::common;
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Wgpu};
 use burn::tensor::DType;
 use burn_flash::{
-    flash_attention, flash_attention_plan, try_flash_attention, FlashAttentionError,
-    FlashAttentionOptions, FlashAttentionPlan, TilePath,
+    FlashAttentionError, FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention,
+    flash_attention_plan, try_flash_attention,
 };
 use common::{
-    error, masked_rows, random_normal, reference_attention, reference_grads, tensor_from_host,
-    to_host, Inputs, Problem, Spec,
+    Inputs, Problem, Spec, error, masked_rows, random_normal, reference_attention, reference_grads,
+    tensor_from_host, to_host,
 };
 
 type B = Autodiff<Wgpu>;
@@ -34,7 +33,13 @@ fn widen(values: &[f32]) -> Vec<f64> {
 
 /// One call under autodiff: the output and the three gradients against the reference. `fused`
 /// says whether the fused kernels must run (else the fallback must). Returns what is wrong.
-fn check(problem: Problem, spec: Spec, scale: Option<f64>, seed: u64, fused: bool) -> Vec<String> {
+pub(crate) fn check(
+    problem: Problem,
+    spec: Spec,
+    scale: Option<f64>,
+    seed: u64,
+    fused: bool,
+) -> Vec<String> {
     let device = WgpuDevice::default();
     burn_flash::testing::poison_outputs(true);
     let label = format!("{problem} {spec} scale {scale:?} seed {seed}");

@@ -20,25 +20,24 @@
 
 #![cfg(feature = "cuda")]
 
-#[allow(dead_code)]
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::time::Instant;
 
-use burn::backend::cuda::CudaDevice;
 use burn::backend::Cuda;
+use burn::backend::cuda::CudaDevice;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::attention_fallback;
 use burn::tensor::{DType, Distribution, Tensor};
 use burn_flash::{
-    flash_attention, flash_attention_plan, FlashAttentionBackend, FlashAttentionOptions,
-    FlashAttentionPlan, TilePath,
+    FlashAttentionBackend, FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention,
+    flash_attention_plan,
 };
 use common::cuda::{cuda_device, has_tensor_cores};
 use common::{
-    error, masked_rows, reference_row, to_host, unfused_attention, unfused_row, unit_roundoff,
-    visible_keys, Error, Inputs, Problem, Spec,
+    Error, Inputs, Problem, Spec, error, masked_rows, reference_row, to_host, unfused_attention,
+    unfused_row, unit_roundoff, visible_keys,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -2,16 +2,15 @@
 //! reference gradients of `common`, on lavapipe in CI: small shapes, fresh random inputs and
 //! random upstream gradients; every gradient buffer is poisoned with NaN before the kernels run.
 
-#[allow(dead_code)]
-mod common;
+use crate::common;
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Wgpu};
 use burn::tensor::{DType, Tensor};
 use burn_flash::{
-    flash_attention, flash_attention_plan, FlashAttentionOptions, FlashAttentionPlan, TilePath,
+    FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention, flash_attention_plan,
 };
-use common::{error, random_normal, reference_grads, to_host, Inputs, Problem};
+use common::{Inputs, Problem, error, random_normal, reference_grads, to_host};
 
 type B = Autodiff<Wgpu>;
 

@@ -30,8 +30,8 @@ pub fn cuda_device(test: &str) -> Option<CudaDevice> {
 /// accumulation, asynchronous copies: SM80 and newer). On such a device, bf16/f16 with head dim
 /// 64 or 128 must run on the tensor cores.
 pub fn has_tensor_cores(device: &CudaDevice, dtype: DType) -> bool {
-    use cubecl::features::MmaConfig;
     use cubecl::Runtime;
+    use cubecl::features::MmaConfig;
     let client = cubecl::cuda::CudaRuntime::client(device);
     let features = &client.properties().features;
     let mma = MmaConfig {

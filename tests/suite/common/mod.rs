@@ -799,12 +799,13 @@ pub fn unfused_grads(
     inputs: &Inputs,
     grad_out: &[f32],
     spec: impl Into<Spec>,
+    scale: Option<f64>,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let spec = spec.into();
     let p = &inputs.problem;
     let dtype = inputs.dtype;
     let round = |x: f32| round_to(x, dtype);
-    let scale = round((1.0 / (p.head_dim as f64).sqrt()) as f32);
+    let scale = round(scale.unwrap_or(1.0 / (p.head_dim as f64).sqrt()) as f32);
     let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
     let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |acc, (x, y)| acc + x * y);
     let mut dq = vec![0f32; inputs.q.len()];

@@ -14,8 +14,7 @@
 
 #![cfg(feature = "cuda")]
 
-#[allow(dead_code)]
-mod common;
+use crate::common;
 
 use std::time::Instant;
 
@@ -25,13 +24,13 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::module::attention_fallback;
 use burn::tensor::{DType, Distribution, Tensor};
 use burn_flash::{
-    flash_attention, flash_attention_plan, FlashAttentionBackend, FlashAttentionOptions,
-    FlashAttentionPlan, TilePath,
+    FlashAttentionBackend, FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention,
+    flash_attention_plan,
 };
 use common::cuda::{cuda_device, has_tensor_cores};
 use common::{
-    error, random_normal, reference_grads, round_to, tensor_from_host, to_host, unfused_grads,
-    unit_roundoff, Error, Inputs, Problem, Spec,
+    Error, Inputs, Problem, Spec, error, random_normal, reference_grads, round_to,
+    tensor_from_host, to_host, unfused_grads, unit_roundoff,
 };
 
 /// Slack added to the "twice the baseline" rule on the global relative error so that a baseline
@@ -230,7 +229,7 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice> + AutodiffBackend>(
             spec,
             None,
         );
-        let (bq, bk, bv) = unfused_grads(&inputs, &upstream, spec);
+        let (bq, bk, bv) = unfused_grads(&inputs, &upstream, spec, None);
         eprintln!("{label}: call {:.2?}", started.elapsed());
         failures.extend(judge_all(
             &label,

@@ -5,19 +5,18 @@
 //! Every output is poisoned with NaN before the kernel runs, so an element the kernel forgets to
 //! write fails the test instead of passing on stale memory.
 
-#[allow(dead_code)]
-mod common;
+use crate::common;
 
 use std::time::Instant;
 
-use burn::backend::wgpu::WgpuDevice;
 use burn::backend::Wgpu;
+use burn::backend::wgpu::WgpuDevice;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 use burn_flash::{
-    flash_attention, flash_attention_plan, FlashAttentionBackend, FlashAttentionOptions,
-    FlashAttentionPlan, TilePath,
+    FlashAttentionBackend, FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention,
+    flash_attention_plan,
 };
-use common::{error, lse_error, masked_rows, to_host, visible_keys, Inputs, Problem};
+use common::{Inputs, Problem, error, lse_error, masked_rows, to_host, visible_keys};
 
 /// Tolerance of the f32 results, relative to the reference's norm (and, per element, to
 /// `max(1, max |ref|)`).
