@@ -30,6 +30,13 @@
 //! cargo bench --features cuda --bench attention -- --d 64,128 --n 1024,4096 --causal both
 //! ```
 //!
+//! After the CSV comes a summary as `#` lines (CSV readers skip them): per shape, burn-flash's
+//! time and the device memory the pools held after its row (the row's high-water mark at page
+//! granularity, inputs included; pages of earlier rows are released before each row), and its
+//! speed-up over each peer that ran the shape, with the geometric mean per mode and peer. Rows
+//! of another program on the same device, e.g. `torch_sdpa_bench.py`'s CSV, join the summary
+//! with `--peers FILE`.
+//!
 //! `--memory` (CUDA) instead runs one training step (forward + backward of `--impls`' first
 //! implementation) per length and prints the device memory CubeCL's pools hold afterwards
 //! (`bytes_reserved`, the high-water mark of the step: pools keep their pages) and what is
@@ -54,13 +61,16 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
                  [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
                  [--backend auto|cuda|wgpu] [--iters N] [--warmup N] [--sets N]
                  [--budget-ms MS] [--row-seconds S] [--modes fwd,fwdbwd] [--memory]
+                 [--peers CSV]
 --b / --h: 0 (default) means 16384 / n and 2048 / d on CUDA (the FlashAttention-2 shapes),
            1024 / n and 256 / d on wgpu.
 --hkv:     key/value heads (grouped-query attention); 0 (default) means h. Burn's peers get
            k and v expanded to h heads, as a Burn model without a GQA kernel would.
 --window:  a sliding window of LEFT keys before each query's diagonal (burn-flash only; its
            rows are named burn-flash-swaLEFT, their TFLOPS count the visible pairs exactly).
---softcap: scores pass through CAP·tanh(s / CAP) (burn-flash only; rows burn-flash-capCAP).";
+--softcap: scores pass through CAP·tanh(s / CAP) (burn-flash only; rows burn-flash-capCAP).
+--peers:   a CSV of the same columns from another program on this device (torch_sdpa_bench.py),
+           whose rows join the summary printed after the CSV.";
 
 const IMPLS: [&str; 3] = ["burn-flash", "burn-unfused", "burn-builtin"];
 
@@ -84,6 +94,7 @@ struct Args {
     row_seconds: f64,
     modes: Vec<String>,
     memory: bool,
+    peers: Option<String>,
 }
 
 fn list(value: &str) -> Vec<usize> {
@@ -123,6 +134,7 @@ fn parse_args() -> Args {
         row_seconds: 20.0,
         modes: vec!["fwd".into()],
         memory: false,
+        peers: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -186,6 +198,7 @@ fn parse_args() -> Args {
             "--sets" => args.sets = (number(&value) as usize).max(1),
             "--budget-ms" => args.budget_ms = Some(number(&value)),
             "--row-seconds" => args.row_seconds = number(&value),
+            "--peers" => args.peers = Some(value),
             "--modes" => {
                 args.modes = value.split(',').map(str::to_string).collect();
                 if args
@@ -333,12 +346,15 @@ enum Outcome {
 }
 
 /// Time every shape of `s` in `mode` ("fwd" or "fwdbwd", run by `call`).
+#[allow(clippy::too_many_arguments)]
 fn run<B: FlashAttentionBackend>(
     device: B::Device,
     args: &Args,
     s: &Settings,
     mode: &str,
     call: Call<B>,
+    reserved: &dyn Fn() -> Option<u64>,
+    timed: &mut Vec<Timed>,
 ) {
     let mut last: HashMap<(String, usize, bool), Outcome> = HashMap::new();
     for &d in &s.d {
@@ -433,8 +449,19 @@ fn run<B: FlashAttentionBackend>(
                         _ => {}
                     }
                     let row = format!("{row},{mode}");
+                    // Pages left by earlier rows go back, so what the pools hold after this
+                    // row is its own high-water mark (at page granularity, inputs included).
+                    B::memory_cleanup(&device);
                     let outcome =
                         measure(&device, call, name, &row, &inputs, options, flops, s, args);
+                    if let Outcome::Timed { ms, .. } = outcome {
+                        timed.push(Timed {
+                            name: format!("{name}{variant}"),
+                            shape: format!("{prefix},{mode}"),
+                            ms,
+                            peak: reserved(),
+                        });
+                    }
                     last.insert(key, outcome);
                 }
             }
@@ -533,19 +560,125 @@ fn settings(args: &Args, cuda: bool) -> Settings {
     }
 }
 
-/// Every requested mode on backend `B` (its `Autodiff` for `fwdbwd`).
-fn run_modes<B: FlashAttentionBackend>(device: B::Device, args: &Args, s: &Settings)
-where
+/// Every requested mode on backend `B` (its `Autodiff` for `fwdbwd`), then the summary.
+/// `reserved` reads the bytes the device's memory pools hold.
+fn run_modes<B: FlashAttentionBackend>(
+    device: B::Device,
+    args: &Args,
+    s: &Settings,
+    reserved: &dyn Fn() -> Option<u64>,
+) where
     Autodiff<B>: FlashAttentionBackend<Device = B::Device>,
 {
     println!("impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops");
+    let mut timed = Vec::new();
     for mode in &args.modes {
+        let forward_only: Call<B> = |name, inputs, options| {
+            forward(name, inputs, options);
+        };
         match mode.as_str() {
-            "fwd" => run::<B>(device.clone(), args, s, mode, |name, inputs, options| {
-                forward(name, inputs, options);
-            }),
-            _ => run::<Autodiff<B>>(device.clone(), args, s, mode, forward_backward),
+            "fwd" => run::<B>(
+                device.clone(),
+                args,
+                s,
+                mode,
+                forward_only,
+                reserved,
+                &mut timed,
+            ),
+            _ => run::<Autodiff<B>>(
+                device.clone(),
+                args,
+                s,
+                mode,
+                forward_backward,
+                reserved,
+                &mut timed,
+            ),
         }
+    }
+    let peers = args.peers.as_deref().map(read_peers).unwrap_or_default();
+    summary(&timed, &peers);
+}
+
+/// One timed row for the summary: implementation, the CSV columns from `dtype` to `mode`, the
+/// time per call, and the bytes the memory pools held after the row (its peak).
+struct Timed {
+    name: String,
+    shape: String,
+    ms: f64,
+    peak: Option<u64>,
+}
+
+/// The timed rows of a CSV with this benchmark's columns (`--peers`, e.g. torch_sdpa_bench.py's
+/// output from the same device); comment lines, the header and `nan` rows are skipped.
+fn read_peers(path: &str) -> Vec<Timed> {
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| fail(&format!("--peers {path}: {e}")));
+    text.lines()
+        .filter(|line| !line.starts_with('#') && !line.starts_with("impl,"))
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+            let ms: f64 = fields.get(9)?.parse().ok()?;
+            (fields.len() >= 11 && ms.is_finite()).then(|| Timed {
+                name: fields[0].to_string(),
+                shape: fields[1..9].join(","),
+                ms,
+                peak: None,
+            })
+        })
+        .collect()
+}
+
+/// After the CSV, as `#` lines that CSV readers skip: per shape burn-flash ran, its time and peak
+/// device memory, and its speed-up over each peer that ran the same shape (peer time / ours,
+/// with the peer's peak memory where this process measured it); then, per mode and peer, the
+/// geometric mean of those speed-ups.
+fn summary(timed: &[Timed], peers: &[Timed]) {
+    let gib = |peak: Option<u64>| {
+        peak.map(|bytes| format!(" ({:.2} GiB)", bytes as f64 / (1u64 << 30) as f64))
+            .unwrap_or_default()
+    };
+    let mut means: Vec<(String, String, f64, usize)> = Vec::new();
+    println!(
+        "# summary: burn-flash's time and peak device memory per row, and its speed-up over \
+         each peer (the peer's time / burn-flash's)"
+    );
+    for ours in timed.iter().filter(|t| t.name == "burn-flash") {
+        let mode = ours
+            .shape
+            .rsplit(',')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let mut line = format!(
+            "# {}: burn-flash {:.4} ms{}",
+            ours.shape,
+            ours.ms,
+            gib(ours.peak)
+        );
+        for peer in timed
+            .iter()
+            .chain(peers)
+            .filter(|t| t.shape == ours.shape && t.name != ours.name)
+        {
+            let speedup = peer.ms / ours.ms;
+            line += &format!("; {speedup:.2}x {}{}", peer.name, gib(peer.peak));
+            match means.iter_mut().find(|m| m.0 == mode && m.1 == peer.name) {
+                Some(m) => {
+                    m.2 += speedup.ln();
+                    m.3 += 1;
+                }
+                None => means.push((mode.clone(), peer.name.clone(), speedup.ln(), 1)),
+            }
+        }
+        println!("{line}");
+    }
+    for (mode, peer, log_sum, count) in means {
+        println!(
+            "# geometric mean over {count} {mode} rows: burn-flash {:.3}x {peer}",
+            (log_sum / count as f64).exp()
+        );
     }
 }
 
@@ -602,7 +735,10 @@ fn main() {
                 if args.memory {
                     memory(device, &args, &s);
                 } else {
-                    run_modes::<burn::backend::Cuda>(device, &args, &s);
+                    use cubecl::Runtime;
+                    let client = cubecl::cuda::CudaRuntime::client(&device);
+                    let reserved = move || client.memory_usage().ok().map(|u| u.bytes_reserved);
+                    run_modes::<burn::backend::Cuda>(device, &args, &s, &reserved);
                 }
                 return;
             }
@@ -621,5 +757,7 @@ fn main() {
     let device = WgpuDevice::default();
     eprintln!("backend: wgpu ({device:?}); small shapes by default");
     let s = settings(&args, false);
-    run_modes::<Wgpu>(device, &args, &s);
+    let client = <cubecl::wgpu::WgpuRuntime as cubecl::Runtime>::client(&device);
+    let reserved = move || client.memory_usage().ok().map(|u| u.bytes_reserved);
+    run_modes::<Wgpu>(device, &args, &s, &reserved);
 }

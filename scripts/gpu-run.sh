@@ -88,11 +88,14 @@ EOF
     rm -f "$OUT/cubecl.log"
     ;;
   bench)
-    .gpu/bench-attention --d "$BENCH_D" --n "$BENCH_N" --causal both ${BENCH_ARGS:-} \
-      2>"$OUT/bench.err" | tee "$OUT/bench.csv"
+    # PyTorch first, so that our summary (the '#' lines after our CSV) includes its rows.
     python3 .gpu/torch_sdpa_bench.py --d "$BENCH_D" --n "$BENCH_N" --causal both \
       --backends flash,cudnn --modes "${TORCH_MODES:-fwd}" 2>"$OUT/torch.err" | tee "$OUT/torch.csv"
-    { cat "$OUT/bench.csv"; grep -v '^impl,' "$OUT/torch.csv"; } >"$OUT/h100.csv"
+    .gpu/bench-attention --d "$BENCH_D" --n "$BENCH_N" --causal both --peers "$OUT/torch.csv" \
+      ${BENCH_ARGS:-} 2>"$OUT/bench.err" | tee "$OUT/bench.csv"
+    { awk '/^# summary/ { exit } { print }' "$OUT/bench.csv"; grep -v '^impl,' "$OUT/torch.csv"; } \
+      >"$OUT/h100.csv"
+    sed -n '/^# summary/,$p' "$OUT/bench.csv" >"$OUT/summary.txt"
     ;;
   tune)
     for shape in ${SHAPES:-4,32,64}; do

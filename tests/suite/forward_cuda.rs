@@ -286,6 +286,14 @@ fn small_shapes_f16() {
     check_all_small::<Cuda>("small_shapes_f16", DType::F16, 2000);
 }
 
+/// bf16 on the bare `CubeBackend` (no fusion), which `Cuda` wraps: the same kernels, reached
+/// without `Fusion`'s custom operation.
+#[test]
+fn small_shapes_bf16_bare_backend() {
+    type Bare = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>;
+    check_all_small::<Bare>("small_shapes_bf16_bare_backend", DType::BF16, 4000);
+}
+
 /// f32 inputs are accepted on CUDA and run the portable tile.
 #[test]
 fn small_shapes_f32() {
