@@ -10,7 +10,7 @@ use burn::tensor::{DType, Tensor};
 use burn_flash::{
     FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention, flash_attention_plan,
 };
-use common::{Inputs, Problem, error, random_normal, reference_grads, to_host};
+use common::{Inputs, Problem, error, random_normal, reference_grads, to_host, widen};
 
 type B = Autodiff<Wgpu>;
 
@@ -18,10 +18,6 @@ type B = Autodiff<Wgpu>;
 /// products of f32 dot products of at most 128 terms, so rounding stays near 1e-6 (measured);
 /// one wrongly masked key out of 200 moves a row by ~5e-3, a wrong scale by O(1).
 const TOLERANCE: f64 = 1e-4;
-
-fn widen(values: &[f32]) -> Vec<f64> {
-    values.iter().map(|&x| x as f64).collect()
-}
 
 fn check(problem: Problem, causal: bool, seed: u64) {
     check_mode(problem, causal, seed, false);

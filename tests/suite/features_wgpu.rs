@@ -15,7 +15,7 @@ use burn_flash::{
 };
 use common::{
     Inputs, Problem, Spec, error, masked_rows, random_normal, reference_attention, reference_grads,
-    tensor_from_host, to_host,
+    tensor_from_host, to_host, widen,
 };
 
 type B = Autodiff<Wgpu>;
@@ -26,10 +26,6 @@ type B = Autodiff<Wgpu>;
 /// by a single query of a band can have a reference norm near 0, where f32 rounding of the
 /// cancelling terms alone exceeds 1e-4 of it (measured: 1.2e-4 relative, 5.6e-7 absolute).
 const TOLERANCE: f64 = 1e-4;
-
-fn widen(values: &[f32]) -> Vec<f64> {
-    values.iter().map(|&x| x as f64).collect()
-}
 
 /// One call under autodiff: the output and the three gradients against the reference. `fused`
 /// says whether the fused kernels must run (else the fallback must). Returns what is wrong.

@@ -11,16 +11,12 @@ use burn::tensor::{DType, Tensor};
 use burn_flash::{FlashAttentionBackend, FlashAttentionOptions, flash_attention};
 use common::{
     Error, Inputs, Problem, Spec, error, random_normal, reference_attention, reference_grads,
-    tensor_from_host, to_host, unfused_attention, unfused_grads,
+    tensor_from_host, to_host, unfused_attention, unfused_grads, widen,
 };
 
 /// Slack of the "twice the unfused error" rule on the global relative error, so that a
 /// baseline error of exactly 0 does not demand an exact 0.
 const RULE_FLOOR: f64 = 1e-6;
-
-fn widen(values: &[f32]) -> Vec<f64> {
-    values.iter().map(|&x| x as f64).collect()
-}
 
 /// The FlashAttention rule of DESIGN.md section 5 on one result: finite, and at most twice as
 /// far from the f64 reference as the unfused computation in the same dtype (max abs error with

@@ -375,6 +375,11 @@ pub fn random_normal(len: usize, seed: u64, dtype: DType) -> Vec<f32> {
     values
 }
 
+/// Host values widened to f64, for the reference.
+pub fn widen(values: &[f32]) -> Vec<f64> {
+    values.iter().map(|&x| x as f64).collect()
+}
+
 /// Host copies of `q`, `k` and `v` for a problem, already rounded to the dtype the device will
 /// hold, so the reference sees exactly the values the kernels see.
 pub struct Inputs {
@@ -412,7 +417,6 @@ impl Inputs {
 
     /// The f64 reference output and log-sum-exp of these inputs.
     pub fn reference(&self, spec: impl Into<Spec>, scale: Option<f64>) -> (Vec<f64>, Vec<f64>) {
-        let widen = |values: &[f32]| values.iter().map(|&x| x as f64).collect::<Vec<_>>();
         reference_attention(
             &self.problem,
             &widen(&self.q),
@@ -882,7 +886,6 @@ pub fn check_reference_grads_by_differences(
     seed: u64,
 ) {
     let inputs = Inputs::random(*problem, DType::F32, seed);
-    let widen = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
     let (q, k, v) = (widen(&inputs.q), widen(&inputs.k), widen(&inputs.v));
     let g = widen(&random_normal(
         problem.out_dims().iter().product(),
