@@ -338,6 +338,7 @@ fn log_sum_exp_rows() {
             q.into_primitive().tensor(),
             k.into_primitive().tensor(),
             v.into_primitive().tensor(),
+            Default::default(),
             options,
         );
         let out = Tensor::<Wgpu, 4>::from_primitive(TensorPrimitive::Float(forward.output));

@@ -23,7 +23,7 @@ const RULE_FLOOR: f64 = 1e-6;
 /// the rounding slack of one value of the reference's size, global relative error), plus
 /// `slack` relative to the reference for an error source the unfused computation does not have.
 #[allow(clippy::too_many_arguments)]
-fn twice_unfused(
+pub(crate) fn twice_unfused(
     label: &str,
     name: &str,
     got: &[f64],
@@ -555,8 +555,8 @@ mod cuda {
             let seen = spec.visible(i, seq, seq);
             let q_row = &q[i * d..(i + 1) * d];
             let (reference, _) =
-                reference_row_keys(&widen(q_row), &k64, &v64, d, &seen, scale, &spec);
-            let unfused = unfused_row_keys(q_row, k, v, d, &seen, scale, &spec, DType::BF16);
+                reference_row_keys(&widen(q_row), &k64, &v64, d, &seen, scale, &spec, None);
+            let unfused = unfused_row_keys(q_row, k, v, d, &seen, scale, &spec, None, DType::BF16);
             let at = i * d..(i + 1) * d;
             failures.extend(twice_unfused(
                 &format!("{label} row {i}"),

@@ -5,9 +5,9 @@ use std::collections::BTreeSet;
 use std::sync::Mutex;
 
 use burn::tensor::module::attention_fallback;
-use burn::tensor::{Bool, DType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Bool, DType, Device, Tensor, TensorData, TensorPrimitive};
 
-use crate::backend::{FlashAttentionBackend, FlashAttentionProblem};
+use crate::backend::{FlashAttentionBackend, FlashAttentionProblem, ScoreInputs};
 use crate::{FlashAttentionError, FlashAttentionOptions, TilePath};
 
 /// The path an attention call takes, as decided by [`flash_attention_plan`].
@@ -126,17 +126,14 @@ pub fn flash_attention<B: FlashAttentionBackend>(
     v: Tensor<B, 4>,
     options: FlashAttentionOptions,
 ) -> Tensor<B, 4> {
-    match try_flash_attention(q, k, v, options) {
-        Ok(output) => output,
-        Err(error) => panic!("{error}"),
-    }
+    flash_attention_masked(q, k, v, None, None, options)
 }
 
 /// [`flash_attention`], returning an error instead of panicking on invalid inputs: batch sizes
 /// that differ between `q`, `k` and `v`, key/value heads that differ or do not divide the query
 /// heads, head dims of `q` and `k` that differ, sequence lengths of `k` and `v` that differ,
 /// different devices or dtypes, a dtype other than f16, bf16 and f32, a scale or softcap that is
-/// not finite and positive.
+/// not finite and positive. [`try_flash_attention_masked`] also takes a mask and a bias.
 ///
 /// # Example
 ///
@@ -158,13 +155,138 @@ pub fn try_flash_attention<B: FlashAttentionBackend>(
     v: Tensor<B, 4>,
     options: FlashAttentionOptions,
 ) -> Result<Tensor<B, 4>, FlashAttentionError> {
+    try_flash_attention_masked(q, k, v, None, None, options)
+}
+
+/// Which (query, key) pairs a boolean mask hides: `true` hides the pair, as in Burn's
+/// `attention` and `generate_padding_mask`. A query row that sees no key gets an output of 0
+/// (and zero gradients), not NaN.
+///
+/// # Example
+///
+/// ```
+/// use burn::backend::NdArray;
+/// use burn::tensor::{Bool, Tensor};
+/// use burn_flash::AttentionMask;
+///
+/// let device = Default::default();
+/// // Batch of 2 over 3 keys: the second sequence's last key is padding.
+/// let padding = Tensor::<NdArray, 2, Bool>::from_data([[false, false, false], [false, false, true]], &device);
+/// let mask = AttentionMask::KeyPadding(padding);
+/// assert!(matches!(mask, AttentionMask::KeyPadding(_)));
+/// ```
+#[derive(Clone, Debug)]
+pub enum AttentionMask<B: FlashAttentionBackend> {
+    /// `[batch, seq_k]`: `true` marks the keys (padding) that no query of that sequence sees.
+    KeyPadding(Tensor<B, 2, Bool>),
+    /// `[batch|1, heads|1, seq_q|1, seq_k]`: `true` hides the pair; a dim of 1 broadcasts (the
+    /// same mask for every batch, head or query). Burn's full `[batch, heads, seq_q, seq_k]` mask
+    /// is the unbroadcast case.
+    Full(Tensor<B, 4, Bool>),
+}
+
+/// [`flash_attention`] with a boolean mask and an additive bias, as Burn's
+/// `burn::tensor::module::attention(q, k, v, mask, bias, options)`: the scores are
+/// `softcap(scale · Q·Kᵀ) + bias`, pairs the mask hides (or the causal mask, or the window) are
+/// dropped, and the rest goes through the softmax. `bias` is
+/// `[batch|1, heads|1, seq_q|1, seq_k]` in the inputs' dtype, a dim of 1 broadcasting (ALiBi,
+/// relative-position biases); its gradient is computed when it requires one (under
+/// `Autodiff`, at the cost of writing a `[batch, heads, seq_q, seq_k]` gradient before summing
+/// it to the bias's shape).
+///
+/// Both run inside the fused kernels, forward and backward: nothing of size
+/// `seq_q × seq_k` is built from them. A bias of `-inf` hides a pair like the mask.
+///
+/// # Panics
+///
+/// On the inputs [`try_flash_attention_masked`] refuses, with the [`FlashAttentionError`]'s
+/// message.
+///
+/// # Example
+///
+/// ```no_run
+/// use burn::backend::Wgpu;
+/// use burn::tensor::{Bool, Distribution, Tensor};
+/// use burn_flash::{flash_attention_masked, AttentionMask, FlashAttentionOptions};
+///
+/// let device = Default::default();
+/// let [b, h, n, d] = [2, 8, 128, 64];
+/// let q = Tensor::<Wgpu, 4>::random([b, h, n, d], Distribution::Normal(0.0, 1.0), &device);
+/// let k = Tensor::<Wgpu, 4>::random([b, h, n, d], Distribution::Normal(0.0, 1.0), &device);
+/// let v = Tensor::<Wgpu, 4>::random([b, h, n, d], Distribution::Normal(0.0, 1.0), &device);
+/// // The last 28 keys of every sequence are padding; one bias per head and pair.
+/// let padding = Tensor::<Wgpu, 1, _>::arange(0..n as i64, &device)
+///     .greater_equal_elem(100)
+///     .unsqueeze::<2>()
+///     .repeat_dim(0, b);
+/// let bias = Tensor::<Wgpu, 4>::random([1, h, n, n], Distribution::Normal(0.0, 1.0), &device);
+/// let out = flash_attention_masked(
+///     q,
+///     k,
+///     v,
+///     Some(AttentionMask::KeyPadding(padding)),
+///     Some(bias),
+///     FlashAttentionOptions::new(),
+/// );
+/// assert_eq!(out.dims(), [b, h, n, d]);
+/// ```
+#[track_caller]
+pub fn flash_attention_masked<B: FlashAttentionBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Option<AttentionMask<B>>,
+    bias: Option<Tensor<B, 4>>,
+    options: FlashAttentionOptions,
+) -> Tensor<B, 4> {
+    match try_flash_attention_masked(q, k, v, mask, bias, options) {
+        Ok(output) => output,
+        Err(error) => panic!("{error}"),
+    }
+}
+
+/// [`flash_attention_masked`], returning an error instead of panicking on invalid inputs: those
+/// [`try_flash_attention`] refuses, and a mask or bias of the wrong shape, a bias of another
+/// dtype than `q`, a mask or bias on another device.
+///
+/// # Example
+///
+/// ```
+/// use burn::tensor::{Bool, Tensor};
+/// use burn_flash::{
+///     try_flash_attention_masked, AttentionMask, FlashAttentionBackend, FlashAttentionError,
+///     FlashAttentionOptions,
+/// };
+///
+/// fn padded<B: FlashAttentionBackend>(
+///     x: Tensor<B, 4>,
+///     padding: Tensor<B, 2, Bool>,
+/// ) -> Result<Tensor<B, 4>, FlashAttentionError> {
+///     let mask = Some(AttentionMask::KeyPadding(padding));
+///     try_flash_attention_masked(x.clone(), x.clone(), x, mask, None, FlashAttentionOptions::new())
+/// }
+/// ```
+pub fn try_flash_attention_masked<B: FlashAttentionBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Option<AttentionMask<B>>,
+    bias: Option<Tensor<B, 4>>,
+    options: FlashAttentionOptions,
+) -> Result<Tensor<B, 4>, FlashAttentionError> {
     let Plan {
         problem: p,
         scale,
         route,
     } = plan(&q, &k, &v, options)?;
-    let options = options.with_scale(scale);
     let device = q.device();
+    let mask = mask
+        .map(|mask| validate_mask(mask, &p, &device))
+        .transpose()?;
+    if let Some(bias) = &bias {
+        validate_bias(bias, &p, &device)?;
+    }
+    let options = options.with_scale(scale);
     if route == FlashAttentionPlan::Zeros {
         let shape = [p.batch, p.heads, p.seq_q, p.value_dim];
         return Ok(Tensor::zeros(shape, (&device, p.dtype)));
@@ -181,29 +303,129 @@ pub fn try_flash_attention<B: FlashAttentionBackend>(
 
     Ok(match route {
         FlashAttentionPlan::Fused(_) => {
+            let inputs = ScoreInputs {
+                mask: mask.map(Tensor::into_primitive),
+                bias: bias.map(|bias| bias.into_primitive().tensor()),
+            };
             let forward = B::flash_attention_forward(
                 q.into_primitive().tensor(),
                 k.into_primitive().tensor(),
                 v.into_primitive().tensor(),
+                inputs,
                 options,
             );
             Tensor::from_primitive(TensorPrimitive::Float(forward.output))
         }
         FlashAttentionPlan::Fallback(reason) => {
             warn_once(&reason);
-            fallback(q, k, v, options)
+            fallback(q, k, v, mask, bias, options)
         }
         FlashAttentionPlan::Zeros => unreachable!("returned above"),
     })
 }
 
+/// The mask as the kernels take it, `[batch|1, heads|1, seq_q|1, seq_k]`, once its shape and
+/// device are checked.
+fn validate_mask<B: FlashAttentionBackend>(
+    mask: AttentionMask<B>,
+    p: &FlashAttentionProblem,
+    device: &Device<B>,
+) -> Result<Tensor<B, 4, Bool>, FlashAttentionError> {
+    let mask_device = match &mask {
+        AttentionMask::KeyPadding(mask) => mask.device(),
+        AttentionMask::Full(mask) => mask.device(),
+    };
+    if &mask_device != device {
+        return Err(FlashAttentionError::InputDevice {
+            input: "mask",
+            expected: format!("{device:?}"),
+            got: format!("{mask_device:?}"),
+        });
+    }
+    match mask {
+        AttentionMask::KeyPadding(mask) => {
+            let [batch, seq_k] = mask.dims();
+            if !broadcasts(batch, p.batch) || seq_k != p.seq_k {
+                return Err(FlashAttentionError::MaskShape {
+                    expected: format!("[{}|1, {}] (key padding)", p.batch, p.seq_k),
+                    got: vec![batch, seq_k],
+                });
+            }
+            Ok(mask.reshape([batch, 1, 1, seq_k]))
+        }
+        AttentionMask::Full(mask) => {
+            let dims = mask.dims();
+            if !fits_scores(dims, p) {
+                return Err(FlashAttentionError::MaskShape {
+                    expected: scores_shape(p),
+                    got: dims.to_vec(),
+                });
+            }
+            Ok(mask)
+        }
+    }
+}
+
+/// Check the bias's shape, dtype and device.
+fn validate_bias<B: FlashAttentionBackend>(
+    bias: &Tensor<B, 4>,
+    p: &FlashAttentionProblem,
+    device: &Device<B>,
+) -> Result<(), FlashAttentionError> {
+    let bias_device = bias.device();
+    if &bias_device != device {
+        return Err(FlashAttentionError::InputDevice {
+            input: "bias",
+            expected: format!("{device:?}"),
+            got: format!("{bias_device:?}"),
+        });
+    }
+    if bias.dtype() != p.dtype {
+        return Err(FlashAttentionError::BiasDType {
+            expected: p.dtype,
+            got: bias.dtype(),
+        });
+    }
+    if !fits_scores(bias.dims(), p) {
+        return Err(FlashAttentionError::BiasShape {
+            expected: scores_shape(p),
+            got: bias.dims().to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// Whether a dim of `size` broadcasts to `full` (equal, or 1).
+fn broadcasts(size: usize, full: usize) -> bool {
+    size == full || size == 1
+}
+
+/// Whether `dims` is `[batch|1, heads|1, seq_q|1, seq_k]`.
+fn fits_scores(dims: [usize; 4], p: &FlashAttentionProblem) -> bool {
+    broadcasts(dims[0], p.batch)
+        && broadcasts(dims[1], p.heads)
+        && broadcasts(dims[2], p.seq_q)
+        && dims[3] == p.seq_k
+}
+
+fn scores_shape(p: &FlashAttentionProblem) -> String {
+    format!("[{}|1, {}|1, {}|1, {}]", p.batch, p.heads, p.seq_q, p.seq_k)
+}
+
 /// Burn's unfused attention with the same semantics: key/value heads repeated for their query
-/// heads, the window turned into a mask.
+/// heads, the window joined to the mask, mask and bias broadcast to the scores' shape.
+///
+/// With a bias, every hidden pair (the mask's, the window's, the causal mask's and the bias's
+/// own `-inf`) is joined into one mask and the bias is zeroed there: Burn's unfused backward
+/// otherwise multiplies an overflowed gradient by the 0 probability of a row that sees no key
+/// and returns NaN for the bias there, where the gradient is 0.
 fn fallback<B: FlashAttentionBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
-    options: FlashAttentionOptions,
+    mask: Option<Tensor<B, 4, Bool>>,
+    bias: Option<Tensor<B, 4>>,
+    mut options: FlashAttentionOptions,
 ) -> Tensor<B, 4> {
     let ([batch, heads, seq_q, _], [_, kv_heads, seq_k, _]) = (q.dims(), k.dims());
     let expand = |t: Tensor<B, 4>| {
@@ -215,15 +437,33 @@ fn fallback<B: FlashAttentionBackend>(
             .expand([batch, kv_heads, heads / kv_heads, seq, dim])
             .reshape([batch, heads, seq, dim])
     };
-    let mask = options.window.map(|_| {
+    let scores = [batch, heads, seq_q, seq_k];
+    // The band of the window, and the causal mask too when a bias needs every hidden pair.
+    let band = options.window.is_some() || (options.causal && bias.is_some());
+    let band = band.then(|| {
         let hidden: Vec<bool> = (0..seq_q * seq_k)
             .map(|at| !options.sees(at / seq_k, at % seq_k, seq_q, seq_k))
             .collect();
         Tensor::<B, 2, Bool>::from_data(TensorData::new(hidden, [seq_q, seq_k]), &q.device())
             .unsqueeze::<4>()
-            .expand([batch, heads, seq_q, seq_k])
+            .expand(scores)
     });
-    attention_fallback(q, expand(k), expand(v), mask, None, options.into())
+    let mut mask = match (mask.map(|mask| mask.expand(scores)), band) {
+        (Some(mask), Some(band)) => Some(mask.bool_or(band)),
+        (mask, band) => mask.or(band),
+    };
+    let bias = bias.map(|bias| {
+        let bias = bias.expand(scores);
+        let hidden = bias.clone().equal_elem(f32::NEG_INFINITY);
+        let hidden = match mask.take() {
+            Some(mask) => mask.bool_or(hidden),
+            None => hidden,
+        };
+        mask = Some(hidden.clone());
+        options.causal = false;
+        bias.mask_fill(hidden, 0.0)
+    });
+    attention_fallback(q, expand(k), expand(v), mask, bias, options.into())
 }
 
 /// A validated call: the problem the backend sees, the resolved scale and the path.

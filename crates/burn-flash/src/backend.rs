@@ -1,7 +1,7 @@
 //! The backend extension trait: what a backend implements to run the fused attention.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{DType, Device};
 
 use crate::{FlashAttentionOptions, TilePath};
@@ -81,6 +81,44 @@ impl FlashAttentionProblem {
     }
 }
 
+/// The per-score inputs of one attention call beside `q`, `k` and `v`, as backend tensors: a
+/// boolean `mask` (`true` hides the (query, key) pair, as in Burn's `attention`) and an additive
+/// `bias` (added to the scaled, softcapped scores), each `[batch|1, heads|1, seq_q|1, seq_k]`, a
+/// dim of 1 broadcasting over it; the bias in the inputs' dtype. `Default` is neither.
+///
+/// [`flash_attention_masked`](crate::flash_attention_masked) validates them and builds this.
+///
+/// # Example
+///
+/// ```
+/// use burn::tensor::ops::FloatTensor;
+/// use burn_flash::{FlashAttentionBackend, FlashAttentionOptions, ScoreInputs};
+///
+/// fn biased<B: FlashAttentionBackend>(
+///     [q, k, v]: [FloatTensor<B>; 3],
+///     bias: FloatTensor<B>,
+/// ) -> FloatTensor<B> {
+///     let inputs = ScoreInputs { mask: None, bias: Some(bias) };
+///     B::flash_attention_forward(q, k, v, inputs, FlashAttentionOptions::default()).output
+/// }
+/// ```
+#[derive(Clone, Debug)]
+pub struct ScoreInputs<B: Backend> {
+    /// `[batch|1, heads|1, seq_q|1, seq_k]`, `true` hides the pair.
+    pub mask: Option<BoolTensor<B>>,
+    /// `[batch|1, heads|1, seq_q|1, seq_k]`, added to `scale · q·k` (after the softcap).
+    pub bias: Option<FloatTensor<B>>,
+}
+
+impl<B: Backend> Default for ScoreInputs<B> {
+    fn default() -> Self {
+        Self {
+            mask: None,
+            bias: None,
+        }
+    }
+}
+
 /// What the fused forward returns.
 ///
 /// # Example
@@ -99,6 +137,7 @@ impl FlashAttentionProblem {
 ///         q.into_primitive().tensor(),
 ///         k.into_primitive().tensor(),
 ///         v.into_primitive().tensor(),
+///         Default::default(),
 ///         FlashAttentionOptions::default(),
 ///     );
 ///     (
@@ -122,7 +161,7 @@ pub struct FlashAttentionForward<B: Backend> {
 /// # Example
 ///
 /// ```
-/// use burn::tensor::ops::FloatTensor;
+/// use burn::tensor::ops::{BoolTensor, FloatTensor};
 /// use burn_flash::{FlashAttentionBackend, FlashAttentionGrads, FlashAttentionOptions};
 ///
 /// fn value_grad<B: FlashAttentionBackend>(
@@ -130,9 +169,10 @@ pub struct FlashAttentionForward<B: Backend> {
 ///     grad_output: FloatTensor<B>,
 /// ) -> FloatTensor<B> {
 ///     let options = FlashAttentionOptions::default();
-///     let forward = B::flash_attention_forward(q.clone(), k.clone(), v.clone(), options);
+///     let forward =
+///         B::flash_attention_forward(q.clone(), k.clone(), v.clone(), Default::default(), options);
 ///     let grads: FlashAttentionGrads<B> = B::flash_attention_backward(
-///         q, k, v, forward.output, forward.lse, grad_output, options,
+///         q, k, v, Default::default(), forward.output, forward.lse, grad_output, options, false,
 ///     );
 ///     grads.v
 /// }
@@ -145,6 +185,9 @@ pub struct FlashAttentionGrads<B: Backend> {
     pub k: FloatTensor<B>,
     /// Gradient of the values, `[batch, heads, seq_k, value_dim]`.
     pub v: FloatTensor<B>,
+    /// Gradient of the bias, shaped as the bias, when one was given and its gradient asked
+    /// for.
+    pub bias: Option<FloatTensor<B>>,
 }
 
 /// A backend that runs the fused FlashAttention kernels.
@@ -196,7 +239,7 @@ pub trait FlashAttentionBackend: Backend {
     /// Run the fused forward.
     ///
     /// Low level: the inputs must be valid (same device and dtype, matching shapes, a finite
-    /// positive scale; see [`try_flash_attention`](crate::try_flash_attention)) and
+    /// positive scale; see [`try_flash_attention_masked`](crate::try_flash_attention_masked)) and
     /// [`flash_attention_support`](Self::flash_attention_support) must have accepted them; this
     /// panics otherwise. The output is `[batch, heads, seq_q, value_dim]` in the inputs' dtype,
     /// the log-sum-exp `[batch, heads, seq_q]` in f32.
@@ -206,7 +249,7 @@ pub trait FlashAttentionBackend: Backend {
     /// See [`FlashAttentionForward`].
     ///
     /// ```
-    /// use burn::tensor::ops::FloatTensor;
+    /// use burn::tensor::ops::{BoolTensor, FloatTensor};
     /// use burn_flash::{FlashAttentionBackend, FlashAttentionOptions};
     ///
     /// fn output<B: FlashAttentionBackend>(
@@ -214,13 +257,15 @@ pub trait FlashAttentionBackend: Backend {
     ///     k: FloatTensor<B>,
     ///     v: FloatTensor<B>,
     /// ) -> FloatTensor<B> {
-    ///     B::flash_attention_forward(q, k, v, FlashAttentionOptions::causal()).output
+    ///     B::flash_attention_forward(q, k, v, Default::default(), FlashAttentionOptions::causal())
+    ///         .output
     /// }
     /// ```
     fn flash_attention_forward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        inputs: ScoreInputs<Self>,
         options: FlashAttentionOptions,
     ) -> FlashAttentionForward<Self>;
 
@@ -244,9 +289,12 @@ pub trait FlashAttentionBackend: Backend {
         problem: &FlashAttentionProblem,
     ) -> Result<(), String>;
 
-    /// Gradients of the fused attention with respect to `q`, `k` and `v`, given the forward's
-    /// `output` and `lse` and the gradient of the output. Recomputes the softmax block by block;
-    /// nothing of size `seq_q × seq_k` is stored. Deterministic (no atomics).
+    /// Gradients of the fused attention with respect to `q`, `k` and `v` (and the bias when
+    /// `bias_grad`), given the forward's `inputs`, `output` and `lse` and the gradient of the
+    /// output. Recomputes the softmax block by block; nothing of size `seq_q × seq_k` is stored,
+    /// except the bias gradient, which is as large as the bias broadcast to
+    /// `[batch, heads, seq_q, seq_k]` before it is summed to the bias's shape. Deterministic
+    /// unless `options.deterministic` is off.
     ///
     /// Low level, like [`flash_attention_forward`](Self::flash_attention_forward): the inputs
     /// must be valid and accepted by
@@ -255,13 +303,16 @@ pub trait FlashAttentionBackend: Backend {
     /// # Example
     ///
     /// See [`FlashAttentionGrads`].
+    #[allow(clippy::too_many_arguments)]
     fn flash_attention_backward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        inputs: ScoreInputs<Self>,
         output: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad_output: FloatTensor<Self>,
         options: FlashAttentionOptions,
+        bias_grad: bool,
     ) -> FlashAttentionGrads<Self>;
 }

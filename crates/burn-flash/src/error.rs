@@ -85,6 +85,36 @@ pub enum FlashAttentionError {
     InvalidScale(f64),
     /// The softcap is not finite and positive.
     InvalidSoftcap(f64),
+    /// The mask is not `[batch|1, seq_k]` (key padding) or `[batch|1, heads|1, seq_q|1, seq_k]`.
+    MaskShape {
+        /// The shapes it may have.
+        expected: String,
+        /// Its shape.
+        got: Vec<usize>,
+    },
+    /// The bias is not `[batch|1, heads|1, seq_q|1, seq_k]`.
+    BiasShape {
+        /// The shapes it may have.
+        expected: String,
+        /// Its shape.
+        got: Vec<usize>,
+    },
+    /// The bias's dtype is not that of `q`, `k` and `v`.
+    BiasDType {
+        /// The dtype of `q`.
+        expected: DType,
+        /// The dtype of the bias.
+        got: DType,
+    },
+    /// The mask or the bias is not on the device of `q`, `k` and `v` (as `Debug` text).
+    InputDevice {
+        /// `"mask"` or `"bias"`.
+        input: &'static str,
+        /// The device of `q`.
+        expected: String,
+        /// The device of the input.
+        got: String,
+    },
 }
 
 impl fmt::Display for FlashAttentionError {
@@ -125,6 +155,24 @@ impl fmt::Display for FlashAttentionError {
             Self::InvalidSoftcap(cap) => {
                 write!(f, "the softcap must be finite and positive, got {cap}")
             }
+            Self::MaskShape { expected, got } => {
+                write!(f, "the mask must be {expected}, got {got:?}")
+            }
+            Self::BiasShape { expected, got } => {
+                write!(f, "the bias must be {expected}, got {got:?}")
+            }
+            Self::BiasDType { expected, got } => write!(
+                f,
+                "the bias must have the dtype of q, k and v ({expected:?}), got {got:?}"
+            ),
+            Self::InputDevice {
+                input,
+                expected,
+                got,
+            } => write!(
+                f,
+                "the {input} must be on the device of q, k and v ({expected}), got {got}"
+            ),
         }
     }
 }

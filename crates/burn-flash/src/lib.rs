@@ -51,9 +51,13 @@ mod options;
 #[doc(hidden)]
 pub mod testing;
 
-pub use api::{FlashAttentionPlan, flash_attention, flash_attention_plan, try_flash_attention};
+pub use api::{
+    AttentionMask, FlashAttentionPlan, flash_attention, flash_attention_masked,
+    flash_attention_plan, try_flash_attention, try_flash_attention_masked,
+};
 pub use backend::{
     FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
+    ScoreInputs,
 };
 pub use error::FlashAttentionError;
 pub use kernel::TilePath;

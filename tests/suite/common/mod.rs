@@ -180,6 +180,32 @@ impl core::fmt::Display for Spec {
     }
 }
 
+/// The per-score inputs of a call as the reference sees them, expanded to
+/// `[batch, heads, seq_q, seq_k]` row-major: the pairs a boolean mask hides, and an additive
+/// bias (added after the scale and the softcap). `Default` is neither.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Scores {
+    pub hidden: Option<Vec<bool>>,
+    pub bias: Option<Vec<f64>>,
+}
+
+impl Scores {
+    /// The keys query `i` of the flattened (batch, head) `bh` sees: `spec`'s, less the hidden.
+    pub fn seen(&self, p: &Problem, spec: &Spec, bh: usize, i: usize) -> Vec<usize> {
+        let row = (bh * p.seq_q + i) * p.seq_k;
+        spec.visible(i, p.seq_q, p.seq_k)
+            .into_iter()
+            .filter(|&j| self.hidden.as_ref().is_none_or(|hidden| !hidden[row + j]))
+            .collect()
+    }
+
+    /// The bias row of query `i` of `bh`, indexed by key, if there is a bias.
+    pub fn bias_row(&self, p: &Problem, bh: usize, i: usize) -> Option<&[f64]> {
+        let row = (bh * p.seq_q + i) * p.seq_k;
+        self.bias.as_deref().map(|bias| &bias[row..row + p.seq_k])
+    }
+}
+
 /// The feature cases the CUDA suites run at tensor-core head dims (the lavapipe suite,
 /// `features_wgpu`, covers the same features on smaller sizes): grouped-query and multi-query
 /// attention, causal and two-sided sliding windows across several KV blocks (also with fewer
@@ -250,10 +276,13 @@ pub fn reference_row(
         &seen,
         scale,
         &Spec::default(),
+        None,
     )
 }
 
-/// [`reference_row`] over the keys `seen`, with `spec`'s softcap.
+/// [`reference_row`] over the keys `seen`, with `spec`'s softcap and a bias row (indexed by key)
+/// added to the capped scores.
+#[allow(clippy::too_many_arguments)]
 pub fn reference_row_keys(
     q_row: &[f64],
     keys: &[f64],
@@ -262,6 +291,7 @@ pub fn reference_row_keys(
     seen: &[usize],
     scale: f64,
     spec: &Spec,
+    bias: Option<&[f64]>,
 ) -> (Vec<f64>, f64) {
     let head_dim = q_row.len();
     let mut out = vec![0.0; value_dim];
@@ -274,9 +304,14 @@ pub fn reference_row_keys(
             let key = &keys[j * head_dim..(j + 1) * head_dim];
             spec.cap(scale * q_row.iter().zip(key).map(|(a, b)| a * b).sum::<f64>())
                 .0
+                + bias.map_or(0.0, |bias| bias[j])
         })
         .collect();
     let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if max == f64::NEG_INFINITY {
+        // A bias of -inf on every seen key hides the row.
+        return (out, f64::NEG_INFINITY);
+    }
     let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
     let sum: f64 = weights.iter().sum();
     for (&j, w) in seen.iter().zip(&weights) {
@@ -302,6 +337,19 @@ pub fn reference_attention(
     spec: impl Into<Spec>,
     scale: Option<f64>,
 ) -> (Vec<f64>, Vec<f64>) {
+    reference_attention_scores(p, q, k, v, spec, scale, &Scores::default())
+}
+
+/// [`reference_attention`] with a mask and a bias.
+pub fn reference_attention_scores(
+    p: &Problem,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    spec: impl Into<Spec>,
+    scale: Option<f64>,
+    extra: &Scores,
+) -> (Vec<f64>, Vec<f64>) {
     let spec = spec.into();
     assert_eq!(q.len(), p.q_dims().iter().product::<usize>());
     assert_eq!(k.len(), p.k_dims().iter().product::<usize>());
@@ -316,7 +364,7 @@ pub fn reference_attention(
         let k_head = &k[kv * p.seq_k * d..(kv + 1) * p.seq_k * d];
         let v_head = &v[kv * p.seq_k * dv..(kv + 1) * p.seq_k * dv];
         for i in 0..p.seq_q {
-            let seen = spec.visible(i, p.seq_q, p.seq_k);
+            let seen = extra.seen(p, &spec, bh, i);
             let (row, row_lse) = reference_row_keys(
                 &q_head[i * d..(i + 1) * d],
                 k_head,
@@ -325,6 +373,7 @@ pub fn reference_attention(
                 &seen,
                 scale,
                 &spec,
+                extra.bias_row(p, bh, i),
             );
             out.extend(row);
             lse.push(row_lse);
@@ -593,12 +642,14 @@ pub fn unfused_row(
         &seen,
         scale,
         &Spec::default(),
+        None,
         dtype,
     )
 }
 
 /// [`unfused_row`] over the keys `seen`, with `spec`'s softcap computed as Burn's fallback does
-/// (divide, `tanh`, multiply, each rounded).
+/// (divide, `tanh`, multiply, each rounded) and a bias row (indexed by key, in the dtype) added
+/// to the capped scores, rounded as Burn's fallback adds it.
 #[allow(clippy::too_many_arguments)]
 pub fn unfused_row_keys(
     q_row: &[f32],
@@ -608,6 +659,7 @@ pub fn unfused_row_keys(
     seen: &[usize],
     scale: f64,
     spec: &Spec,
+    bias: Option<&[f64]>,
     dtype: DType,
 ) -> Vec<f64> {
     let head_dim = q_row.len();
@@ -620,9 +672,13 @@ pub fn unfused_row_keys(
         .map(|&j| {
             let key = &keys[j * head_dim..(j + 1) * head_dim];
             let dot = q_row.iter().zip(key).fold(0f32, |acc, (a, b)| acc + a * b);
-            unfused_cap(round(round(dot) * round(scale as f32)), spec, dtype)
+            let capped = unfused_cap(round(round(dot) * round(scale as f32)), spec, dtype);
+            bias.map_or(capped, |bias| round(capped + bias[j] as f32))
         })
         .collect();
+    if scores.iter().all(|&s| s == f32::NEG_INFINITY) {
+        return vec![0.0; value_dim];
+    }
     let probs = rounded_softmax(&scores, dtype);
     (0..value_dim)
         .map(|c| {
@@ -649,6 +705,16 @@ fn unfused_cap(score: f32, spec: &Spec, dtype: DType) -> f32 {
 
 /// [`unfused_row`] over a whole call on host inputs (rows laid out `[batch, heads, seq_q]`).
 pub fn unfused_attention(inputs: &Inputs, spec: impl Into<Spec>, scale: Option<f64>) -> Vec<f64> {
+    unfused_attention_scores(inputs, spec, scale, &Scores::default())
+}
+
+/// [`unfused_attention`] with a mask and a bias (the bias already rounded to the dtype).
+pub fn unfused_attention_scores(
+    inputs: &Inputs,
+    spec: impl Into<Spec>,
+    scale: Option<f64>,
+    extra: &Scores,
+) -> Vec<f64> {
     let spec = spec.into();
     let p = &inputs.problem;
     let scale = scale.unwrap_or(1.0 / (p.head_dim as f64).sqrt());
@@ -660,7 +726,7 @@ pub fn unfused_attention(inputs: &Inputs, spec: impl Into<Spec>, scale: Option<f
         let values = &inputs.v[kv * p.seq_k * dv..(kv + 1) * p.seq_k * dv];
         for i in 0..p.seq_q {
             let q_row = &inputs.q[(bh * p.seq_q + i) * d..(bh * p.seq_q + i + 1) * d];
-            let seen = spec.visible(i, p.seq_q, p.seq_k);
+            let seen = extra.seen(p, &spec, bh, i);
             out.extend(unfused_row_keys(
                 q_row,
                 keys,
@@ -669,6 +735,7 @@ pub fn unfused_attention(inputs: &Inputs, spec: impl Into<Spec>, scale: Option<f
                 &seen,
                 scale,
                 &spec,
+                extra.bias_row(p, bh, i),
                 inputs.dtype,
             ));
         }
@@ -720,9 +787,22 @@ pub fn lse_error(got: &[f64], reference: &[f64]) -> Error {
 
 /// Indices of the output rows (flattened `[batch, heads, seq_q]`) that see no key.
 pub fn masked_rows(p: &Problem, spec: impl Into<Spec>) -> Vec<usize> {
+    masked_rows_scores(p, spec, &Scores::default())
+}
+
+/// [`masked_rows`] with a mask and a bias (a row whose seen keys all have a bias of `-inf`
+/// sees nothing either).
+pub fn masked_rows_scores(p: &Problem, spec: impl Into<Spec>, extra: &Scores) -> Vec<usize> {
     let spec = spec.into();
     (0..p.batch * p.heads * p.seq_q)
-        .filter(|row| spec.visible(row % p.seq_q, p.seq_q, p.seq_k).is_empty())
+        .filter(|&row| {
+            let (bh, i) = (row / p.seq_q, row % p.seq_q);
+            let bias = extra.bias_row(p, bh, i);
+            extra
+                .seen(p, &spec, bh, i)
+                .iter()
+                .all(|&j| bias.is_some_and(|bias| bias[j] == f64::NEG_INFINITY))
+        })
         .collect()
 }
 
@@ -742,30 +822,53 @@ pub fn reference_grads(
     spec: impl Into<Spec>,
     scale: Option<f64>,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (dq, dk, dv, _) =
+        reference_grads_scores(p, q, k, v, grad_out, spec, scale, &Scores::default());
+    (dq, dk, dv)
+}
+
+/// [`reference_grads`] with a mask and a bias; also returns the gradient of the scores
+/// (`P ∘ (dP − rowsum)`, the bias's gradient before any broadcast is summed),
+/// `[batch, heads, seq_q, seq_k]`.
+#[allow(clippy::too_many_arguments)]
+pub fn reference_grads_scores(
+    p: &Problem,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    grad_out: &[f64],
+    spec: impl Into<Spec>,
+    scale: Option<f64>,
+    extra: &Scores,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
     let spec = spec.into();
     let scale = scale.unwrap_or(1.0 / (p.head_dim as f64).sqrt());
     let (d, dv, sq, sk) = (p.head_dim, p.value_dim, p.seq_q, p.seq_k);
     let mut dq = vec![0.0; q.len()];
     let mut dk = vec![0.0; k.len()];
     let mut dvs = vec![0.0; v.len()];
+    let mut dbias = vec![0.0; p.batch * p.heads * sq * sk];
     for bh in 0..p.batch * p.heads {
         let kv = p.kv_index(bh);
         let (qo, ko, vo, go) = (bh * sq * d, kv * sk * d, kv * sk * dv, bh * sq * dv);
         for i in 0..sq {
-            let seen = spec.visible(i, sq, sk);
-            if seen.is_empty() {
-                continue;
-            }
+            let seen = extra.seen(p, &spec, bh, i);
+            let bias = extra.bias_row(p, bh, i);
             let q_row = &q[qo + i * d..qo + (i + 1) * d];
             let g_row = &grad_out[go + i * dv..go + (i + 1) * dv];
             let (scores, slopes): (Vec<f64>, Vec<f64>) = seen
                 .iter()
                 .map(|&j| {
                     let key = &k[ko + j * d..ko + (j + 1) * d];
-                    spec.cap(scale * q_row.iter().zip(key).map(|(a, b)| a * b).sum::<f64>())
+                    let (capped, slope) =
+                        spec.cap(scale * q_row.iter().zip(key).map(|(a, b)| a * b).sum::<f64>());
+                    (capped + bias.map_or(0.0, |bias| bias[j]), slope)
                 })
                 .unzip();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            if max == f64::NEG_INFINITY {
+                continue;
+            }
             let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let sum: f64 = weights.iter().sum();
             let probs: Vec<f64> = weights.iter().map(|w| w / sum).collect();
@@ -778,6 +881,7 @@ pub fn reference_grads(
                 .collect();
             let row_dot: f64 = probs.iter().zip(&dp).map(|(a, b)| a * b).sum();
             for (n, &j) in seen.iter().enumerate() {
+                dbias[(bh * sq + i) * sk + j] = probs[n] * (dp[n] - row_dot);
                 let ds = probs[n] * (dp[n] - row_dot) * slopes[n];
                 for c in 0..d {
                     dq[qo + i * d + c] += scale * ds * k[ko + j * d + c];
@@ -789,7 +893,7 @@ pub fn reference_grads(
             }
         }
     }
-    (dq, dk, dvs)
+    (dq, dk, dvs, dbias)
 }
 
 /// Gradients of the unfused attention in low precision, emulated on the CPU: the steps of Burn's
@@ -805,6 +909,19 @@ pub fn unfused_grads(
     spec: impl Into<Spec>,
     scale: Option<f64>,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (dq, dk, dv, _) = unfused_grads_scores(inputs, grad_out, spec, scale, &Scores::default());
+    (dq, dk, dv)
+}
+
+/// [`unfused_grads`] with a mask and a bias (rounded to the dtype); also returns the rounded
+/// gradient of the scores, `[batch, heads, seq_q, seq_k]`.
+pub fn unfused_grads_scores(
+    inputs: &Inputs,
+    grad_out: &[f32],
+    spec: impl Into<Spec>,
+    scale: Option<f64>,
+    extra: &Scores,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
     let spec = spec.into();
     let p = &inputs.problem;
     let dtype = inputs.dtype;
@@ -815,6 +932,7 @@ pub fn unfused_grads(
     let mut dq = vec![0f32; inputs.q.len()];
     let mut dk = vec![0f32; inputs.k.len()];
     let mut dvs = vec![0f32; inputs.v.len()];
+    let mut dbias = vec![0f32; p.batch * p.heads * sq * sk];
     for bh in 0..p.batch * p.heads {
         let kv = p.kv_index(bh);
         let (qo, ko, vo, go) = (bh * sq * d, kv * sk * d, kv * sk * dv, bh * sq * dv);
@@ -826,16 +944,24 @@ pub fn unfused_grads(
         let mut ds = vec![0f32; sq * sk];
         let mut probs = vec![0f32; sq * sk];
         for i in 0..sq {
-            let seen = spec.visible(i, sq, sk);
-            if seen.is_empty() {
-                continue;
-            }
+            let seen = extra.seen(p, &spec, bh, i);
+            let bias = extra.bias_row(p, bh, i);
             let q_row = &q[i * d..(i + 1) * d];
             let raw: Vec<f32> = seen
                 .iter()
                 .map(|&j| round(round(dot(q_row, &k[j * d..(j + 1) * d])) * scale))
                 .collect();
-            let scores: Vec<f32> = raw.iter().map(|&s| unfused_cap(s, &spec, dtype)).collect();
+            let scores: Vec<f32> = raw
+                .iter()
+                .zip(&seen)
+                .map(|(&s, &j)| {
+                    let capped = unfused_cap(s, &spec, dtype);
+                    bias.map_or(capped, |bias| round(capped + bias[j] as f32))
+                })
+                .collect();
+            if scores.iter().all(|&s| s == f32::NEG_INFINITY) {
+                continue;
+            }
             let row = rounded_softmax(&scores, dtype);
             let g_row = &g[i * dv..(i + 1) * dv];
             let dp: Vec<f32> = seen
@@ -846,6 +972,7 @@ pub fn unfused_grads(
             for (n, &j) in seen.iter().enumerate() {
                 probs[i * sk + j] = row[n];
                 let mut grad = round(row[n] * round(dp[n] - row_dot));
+                dbias[(bh * sq + i) * sk + j] = grad;
                 if let Some(cap) = spec.softcap {
                     let cap = cap as f32;
                     let t = round(round(raw[n] / cap).tanh());
@@ -874,7 +1001,7 @@ pub fn unfused_grads(
         }
     }
     let widen = |x: Vec<f32>| x.into_iter().map(f64::from).collect();
-    (widen(dq), widen(dk), widen(dvs))
+    (widen(dq), widen(dk), widen(dvs), widen(dbias))
 }
 
 /// Check [`reference_grads`] against central finite differences of [`reference_attention`] on

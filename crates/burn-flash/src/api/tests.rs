@@ -115,6 +115,7 @@ fn lse_is_f32_and_shaped_per_row() {
         q.clone().into_primitive().tensor(),
         q.clone().into_primitive().tensor(),
         q.into_primitive().tensor(),
+        Default::default(),
         FlashAttentionOptions::default(),
     );
     let lse = Tensor::<Wgpu, 3>::from_primitive(TensorPrimitive::Float(forward.lse));

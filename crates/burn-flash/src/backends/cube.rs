@@ -2,12 +2,13 @@
 //! runtime.
 
 use burn::tensor::TensorMetadata;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use crate::backend::{
     FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
+    ScoreInputs,
 };
 use crate::{FlashAttentionOptions, TilePath, kernel};
 
@@ -30,10 +31,12 @@ where
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        inputs: ScoreInputs<Self>,
         options: FlashAttentionOptions,
     ) -> FlashAttentionForward<Self> {
         let params = score_params(&q, &k, &options);
-        let (output, lse) = kernel::forward(q, k, v, params);
+        let inputs = kernel::ScoreInputs::new(inputs.mask, inputs.bias);
+        let (output, lse) = kernel::forward(q, k, v, inputs, params);
         FlashAttentionForward { output, lse }
     }
 
@@ -50,23 +53,44 @@ where
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        inputs: ScoreInputs<Self>,
         output: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad_output: FloatTensor<Self>,
         options: FlashAttentionOptions,
+        bias_grad: bool,
     ) -> FlashAttentionGrads<Self> {
         let params = score_params(&q, &k, &options);
-        let (q, k, v) = kernel::backward(
+        let bias_shape = inputs.bias.as_ref().map(|bias| bias.shape().dims::<4>());
+        let inputs = kernel::ScoreInputs::new(inputs.mask, inputs.bias);
+        let grads = kernel::backward(
             q,
             k,
             v,
+            inputs,
             output,
             lse,
             grad_output,
             params,
             options.deterministic,
+            bias_grad,
         );
-        FlashAttentionGrads { q, k, v }
+        // The kernel writes the scores' gradient per (batch, head, query); a bias broadcast
+        // over some of them gets its sum.
+        let bias = grads.bias.zip(bias_shape).map(|(mut grad, shape)| {
+            for (dim, &size) in shape.iter().enumerate().take(3) {
+                if size == 1 && grad.shape()[dim] != 1 {
+                    grad = Self::float_sum_dim(grad, dim);
+                }
+            }
+            grad
+        });
+        FlashAttentionGrads {
+            q: grads.q,
+            k: grads.k,
+            v: grads.v,
+            bias,
+        }
     }
 }
 

@@ -12,6 +12,7 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use crate::backend::{
     FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
+    ScoreInputs,
 };
 use crate::{FlashAttentionOptions, TilePath};
 
@@ -19,10 +20,51 @@ use crate::{FlashAttentionOptions, TilePath};
 const FORWARD_OP: &str = "burn_flash::flash_attention_forward";
 const BACKWARD_OP: &str = "burn_flash::flash_attention_backward";
 
-/// The lazy forward: inputs `[q, k, v]`, outputs `[output, lse]`.
+/// Which per-score inputs follow `q`, `k`, `v` (and, in the backward, the output, the
+/// log-sum-exp and its gradient) in a custom operation's inputs: the mask, then the bias.
+#[derive(Debug, Clone, Copy)]
+struct Extra {
+    mask: bool,
+    bias: bool,
+}
+
+impl Extra {
+    fn of<B: FusionBackend>(inputs: &ScoreInputs<Fusion<B>>) -> Self {
+        Self {
+            mask: inputs.mask.is_some(),
+            bias: inputs.bias.is_some(),
+        }
+    }
+
+    /// The IR of the inputs, in order.
+    fn irs<B: FusionBackend>(inputs: ScoreInputs<Fusion<B>>) -> Vec<TensorIr> {
+        let mask = inputs.mask.map(|mask| mask.into_ir());
+        let bias = inputs.bias.map(|bias| bias.into_ir());
+        mask.into_iter().chain(bias).collect()
+    }
+
+    /// The inner backend's tensors of the inputs described from `irs`.
+    fn resolve<B: FusionBackend>(
+        self,
+        irs: &[TensorIr],
+        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+    ) -> ScoreInputs<B> {
+        let mut irs = irs.iter();
+        let mask = self
+            .mask
+            .then(|| handles.get_bool_tensor::<B>(irs.next().expect("mask input")));
+        let bias = self
+            .bias
+            .then(|| handles.get_float_tensor::<B>(irs.next().expect("bias input")));
+        ScoreInputs { mask, bias }
+    }
+}
+
+/// The lazy forward: inputs `[q, k, v, mask?, bias?]`, outputs `[output, lse]`.
 #[derive(Debug)]
 struct ForwardOp<B> {
     desc: CustomOpIr,
+    extra: Extra,
     options: FlashAttentionOptions,
     _backend: PhantomData<B>,
 }
@@ -32,11 +74,14 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for F
         &self,
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) {
-        let ([q, k, v], [output, lse]) = self.desc.as_fixed();
+        let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
+        let (output, lse) = (&outputs[0], &outputs[1]);
+        let extra = self.extra.resolve::<B>(&inputs[3..], handles);
         let forward = B::flash_attention_forward(
-            handles.get_float_tensor::<B>(q),
-            handles.get_float_tensor::<B>(k),
-            handles.get_float_tensor::<B>(v),
+            handles.get_float_tensor::<B>(&inputs[0]),
+            handles.get_float_tensor::<B>(&inputs[1]),
+            handles.get_float_tensor::<B>(&inputs[2]),
+            extra,
             self.options,
         );
         handles.register_float_tensor::<B>(&output.id, forward.output);
@@ -44,11 +89,14 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for F
     }
 }
 
-/// The lazy backward: inputs `[q, k, v, output, lse, grad_output]`, outputs `[dq, dk, dv]`.
+/// The lazy backward: inputs `[q, k, v, output, lse, grad_output, mask?, bias?]`, outputs
+/// `[dq, dk, dv, dbias?]`.
 #[derive(Debug)]
 struct BackwardOp<B> {
     desc: CustomOpIr,
+    extra: Extra,
     options: FlashAttentionOptions,
+    bias_grad: bool,
     _backend: PhantomData<B>,
 }
 
@@ -57,19 +105,27 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for B
         &self,
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) {
-        let ([q, k, v, output, lse, grad], [dq, dk, dv]) = self.desc.as_fixed();
+        let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
+        let extra = self.extra.resolve::<B>(&inputs[6..], handles);
+        let mut tensor = |at: usize| handles.get_float_tensor::<B>(&inputs[at]);
+        let [q, k, v, output, lse, grad] = [0, 1, 2, 3, 4, 5].map(&mut tensor);
         let grads = B::flash_attention_backward(
-            handles.get_float_tensor::<B>(q),
-            handles.get_float_tensor::<B>(k),
-            handles.get_float_tensor::<B>(v),
-            handles.get_float_tensor::<B>(output),
-            handles.get_float_tensor::<B>(lse),
-            handles.get_float_tensor::<B>(grad),
+            q,
+            k,
+            v,
+            extra,
+            output,
+            lse,
+            grad,
             self.options,
+            self.bias_grad,
         );
-        handles.register_float_tensor::<B>(&dq.id, grads.q);
-        handles.register_float_tensor::<B>(&dk.id, grads.k);
-        handles.register_float_tensor::<B>(&dv.id, grads.v);
+        handles.register_float_tensor::<B>(&outputs[0].id, grads.q);
+        handles.register_float_tensor::<B>(&outputs[1].id, grads.k);
+        handles.register_float_tensor::<B>(&outputs[2].id, grads.v);
+        if let (Some(ir), Some(grad)) = (outputs.get(3), grads.bias) {
+            handles.register_float_tensor::<B>(&ir.id, grad);
+        }
     }
 }
 
@@ -86,6 +142,7 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        inputs: ScoreInputs<Self>,
         options: FlashAttentionOptions,
     ) -> FlashAttentionForward<Self> {
         let client = q.client.clone();
@@ -103,7 +160,10 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
             panic!("flash attention: the fused forward cannot run these inputs: {reason}");
         }
 
-        let streams = OperationStreams::with_inputs([&q, &k, &v]);
+        let extra = Extra::of(&inputs);
+        let mut streams = OperationStreams::with_inputs([&q, &k, &v]);
+        inputs.mask.iter().for_each(|mask| streams.tensor(mask));
+        inputs.bias.iter().for_each(|bias| streams.tensor(bias));
         let output = TensorIr::uninit(
             client.create_empty_handle(),
             Shape::new([batch, heads, seq_q, problem.value_dim]),
@@ -114,13 +174,12 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
             Shape::new([batch, heads, seq_q]),
             DType::F32,
         );
-        let desc = CustomOpIr::new(
-            FORWARD_OP,
-            &[q.into_ir(), k.into_ir(), v.into_ir()],
-            &[output, lse],
-        );
+        let mut irs = vec![q.into_ir(), k.into_ir(), v.into_ir()];
+        irs.extend(Extra::irs(inputs));
+        let desc = CustomOpIr::new(FORWARD_OP, &irs, &[output, lse]);
         let op = ForwardOp::<B> {
             desc: desc.clone(),
+            extra,
             options,
             _backend: PhantomData,
         };
@@ -145,42 +204,54 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        inputs: ScoreInputs<Self>,
         output: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad_output: FloatTensor<Self>,
         options: FlashAttentionOptions,
+        bias_grad: bool,
     ) -> FlashAttentionGrads<Self> {
         let client = q.client.clone();
-        let streams = OperationStreams::with_inputs([&q, &k, &v, &output, &lse, &grad_output]);
+        let extra = Extra::of(&inputs);
+        let bias_grad = bias_grad && extra.bias;
+        let mut streams = OperationStreams::with_inputs([&q, &k, &v, &output, &lse, &grad_output]);
+        inputs.mask.iter().for_each(|mask| streams.tensor(mask));
+        inputs.bias.iter().for_each(|bias| streams.tensor(bias));
         let like = |t: &FloatTensor<Self>| {
             TensorIr::uninit(client.create_empty_handle(), t.shape(), t.dtype)
         };
-        let outputs = [like(&q), like(&k), like(&v)];
-        let desc = CustomOpIr::new(
-            BACKWARD_OP,
-            &[
-                q.into_ir(),
-                k.into_ir(),
-                v.into_ir(),
-                output.into_ir(),
-                lse.into_ir(),
-                grad_output.into_ir(),
-            ],
-            &outputs,
-        );
+        let mut outputs = vec![like(&q), like(&k), like(&v)];
+        if let Some(bias) = inputs.bias.as_ref().filter(|_| bias_grad) {
+            outputs.push(like(bias));
+        }
+        let mut irs = vec![
+            q.into_ir(),
+            k.into_ir(),
+            v.into_ir(),
+            output.into_ir(),
+            lse.into_ir(),
+            grad_output.into_ir(),
+        ];
+        irs.extend(Extra::irs(inputs));
+        let desc = CustomOpIr::new(BACKWARD_OP, &irs, &outputs);
         let op = BackwardOp::<B> {
             desc: desc.clone(),
+            extra,
             options,
+            bias_grad,
             _backend: PhantomData,
         };
         let mut grads = client
             .register(streams, OperationIr::Custom(desc), op)
             .into_iter();
-        let (Some(q), Some(k), Some(v), None) =
-            (grads.next(), grads.next(), grads.next(), grads.next())
-        else {
-            unreachable!("the backward registers three outputs");
+        let (Some(q), Some(k), Some(v)) = (grads.next(), grads.next(), grads.next()) else {
+            unreachable!("the backward registers dq, dk and dv");
         };
-        FlashAttentionGrads { q, k, v }
+        FlashAttentionGrads {
+            q,
+            k,
+            v,
+            bias: grads.next(),
+        }
     }
 }

@@ -44,8 +44,12 @@ pub struct TileConfig {
     /// each KV block instead of holding them in registers (head dim 128, where registers would
     /// not hold Q beside the scores and the output accumulators).
     pub query_in_smem: bool,
-    /// Which bounds of the visible band exist (causal, sliding window).
+    /// Which keys are hidden: band bounds (causal, sliding window), a boolean mask input.
     pub mask: MaskConfig,
+    /// An additive bias input is added to the scores.
+    pub bias: bool,
+    /// The dQ launch writes the bias gradient (the scores' gradient, `[b, h, seq_q, seq_k]`).
+    pub bias_grad: bool,
     /// Scores pass through `softcap · tanh(s / softcap)` before the softmax.
     pub softcap: bool,
     /// The dK/dV launch also adds each staged query block's dQ with f32 atomics (and needs a
@@ -53,14 +57,19 @@ pub struct TileConfig {
     pub atomic_dq: bool,
 }
 
-/// Which bounds hide keys around the diagonal (see [`mask`](super::mask)); the offsets are
-/// runtime values.
+/// Which bounds hide keys around the diagonal (see [`mask`](super::mask)), and whether a boolean
+/// mask input hides some more; the offsets and the mask are runtime values.
 #[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
 pub struct MaskConfig {
     /// Keys right of the diagonal by more than an offset are hidden (causal: offset 0).
     pub right: bool,
     /// Keys left of the diagonal by more than an offset are hidden (sliding window).
     pub left: bool,
+    /// A boolean mask input hides (query, key) pairs element by element.
+    pub tensor: bool,
+    /// The mask input is the same for every query (`[b|1, h|1, 1, seq_k]`, key padding): it is
+    /// read once per key instead of once per pair.
+    pub per_key: bool,
 }
 
 impl TileConfig {
@@ -83,6 +92,8 @@ impl TileConfig {
             plane_rows,
             query_in_smem: head_dim > 64,
             mask: MaskConfig::default(),
+            bias: false,
+            bias_grad: false,
             softcap: false,
             atomic_dq: false,
         }
@@ -100,18 +111,26 @@ impl TileConfig {
             plane_rows: 1,
             query_in_smem: false,
             mask: MaskConfig::default(),
+            bias: false,
+            bias_grad: false,
             softcap: false,
             atomic_dq: false,
         }
     }
 
-    /// These blocks with this masking and softcap.
-    pub fn with_scores(self, mask: MaskConfig, softcap: bool) -> Self {
+    /// These blocks with the score transform of `params`.
+    pub fn with_scores(self, params: &ScoreParams) -> Self {
         Self {
-            mask,
-            softcap,
+            mask: params.mask,
+            bias: params.bias,
+            softcap: params.softcap.is_some(),
             ..self
         }
+    }
+
+    /// These blocks writing the bias gradient from the dQ launch (`true`) or not.
+    pub fn with_bias_grad(self, bias_grad: bool) -> Self {
+        Self { bias_grad, ..self }
     }
 
     /// These blocks with dQ added by atomics from the dK/dV launch (`true`) or computed by its
@@ -176,6 +195,27 @@ impl TileConfig {
         self.slot(reg, self.block_kv)
     }
 
+    /// The first score register of this unit that stands for the same key as register `reg`
+    /// (keys are columns, or rows when `transposed`). The tensor-core accumulator holds
+    /// columns 2t, 2t + 1 of each n-tile for rows g and g + 8 of each m16 block.
+    pub fn key_reg(&self, reg: usize, transposed: bool) -> usize {
+        match (self.tile, transposed) {
+            (TilePath::Portable, false) => reg,
+            // A portable unit owns one row: one key.
+            (TilePath::Portable, true) => 0,
+            (TilePath::TensorCore, false) => (reg % self.score_regs_per_m_tile()) & !2,
+            (TilePath::TensorCore, true) => {
+                let per_m_tile = self.score_regs_per_m_tile();
+                reg / per_m_tile * per_m_tile + (reg & 2)
+            }
+        }
+    }
+
+    /// Score registers of one m16 block (tensor-core tile).
+    fn score_regs_per_m_tile(&self) -> usize {
+        self.block_kv / MMA_N * 4
+    }
+
     /// Which of the unit's rows output register `reg` belongs to.
     pub fn out_slot(&self, reg: usize) -> usize {
         self.slot(reg, self.value_dim)
@@ -231,14 +271,17 @@ impl TileConfig {
     }
 }
 
-/// Runtime values of one call's score transform: the kernels specialise on `mask` and on whether
-/// `softcap` is set, and take the numbers as arguments.
+/// Runtime values of one call's score transform: the kernels specialise on `mask`, on `bias` and
+/// on whether `softcap` is set, and take the numbers (and the mask and bias tensors) as
+/// arguments.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ScoreParams {
     /// Factor of `Q·Kᵀ`.
     pub scale: f32,
-    /// Which band bounds exist.
+    /// Which band bounds exist, and whether a boolean mask input is given.
     pub mask: MaskConfig,
+    /// Whether an additive bias input is given.
+    pub bias: bool,
     /// Keys left of the diagonal that stay visible, when `mask.left`.
     pub left: u32,
     /// Keys right of the diagonal that stay visible, when `mask.right` (0 for causal).
@@ -249,8 +292,9 @@ pub struct ScoreParams {
 
 impl ScoreParams {
     /// The kernel view of `options` for queries of `seq_q` rows over `seq_k` keys with this
-    /// head dim. A window side too wide to hide any key is dropped, so the kernels neither mask
-    /// nor skip for it, and kept offsets stay below `seq_q + seq_k` (no index overflow).
+    /// head dim, without mask or bias inputs (see [`with_inputs`](Self::with_inputs)). A window
+    /// side too wide to hide any key is dropped, so the kernels neither mask nor skip for it, and
+    /// kept offsets stay below `seq_q + seq_k` (no index overflow).
     pub fn new(
         options: &crate::FlashAttentionOptions,
         head_dim: usize,
@@ -273,10 +317,22 @@ impl ScoreParams {
             mask: MaskConfig {
                 right: right.is_some(),
                 left: left.is_some(),
+                tensor: false,
+                per_key: false,
             },
+            bias: false,
             left: offset(left),
             right: offset(right),
             softcap: options.softcap.map(|cap| cap as f32),
         }
+    }
+
+    /// These parameters with a boolean mask input of `mask_dims` (`[b|1, h|1, sq|1, sk]`) and
+    /// an additive bias (`bias`), or not.
+    pub fn with_inputs(mut self, mask_dims: Option<&[usize]>, bias: bool) -> Self {
+        self.mask.tensor = mask_dims.is_some();
+        self.mask.per_key = mask_dims.is_some_and(|dims| dims[2] == 1);
+        self.bias = bias;
+        self
     }
 }

@@ -1,13 +1,15 @@
 //! Global level of the forward: one cube per (query block, head, batch). The cube loads its
 //! query block once, walks the KV blocks its band lets it see (from the sliding window's left
 //! edge to the causal diagonal), and writes the normalised output and the per-row log-sum-exp.
-//! Grouped-query attention reads the key/value head `head / group` of its query head.
+//! Grouped-query attention reads the key/value head `head / group` of its query head. A mask or
+//! bias input is read where each score register sits ([`inputs`](super::inputs)).
 
 use cubecl::prelude::*;
 
 use super::TilePath;
 use super::config::TileConfig;
-use super::mask::{Band, apply_mask, block_needs_mask, kv_blocks};
+use super::inputs::{Views, add_bias};
+use super::mask::{Band, apply_mask, kv_blocks};
 use super::softmax::{RowStats, Softcap, finish, init_stats, online_update, softcap_scores};
 use super::stage::{StageBarriers, fetch_stage, load_block};
 use super::tile::AttentionTile;
@@ -21,6 +23,9 @@ struct Coords {
     q_start: usize,
     band: Band,
     softcap: Softcap,
+    /// Where this (batch, head) reads the mask and bias inputs.
+    views: Views,
+    inv_scale: f32,
     /// `-inf`, passed in because WGSL has no literal for it.
     neg_inf: f32,
 }
@@ -30,10 +35,13 @@ struct Coords {
     address_type = "dynamic",
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 )]
-pub fn flash_forward<E: Float, T: AttentionTile<E>>(
+#[allow(clippy::too_many_arguments)]
+pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
+    mask: &ComptimeOption<Tensor<M>>,
+    bias: &ComptimeOption<Tensor<E>>,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
     scale: f32,
@@ -42,7 +50,7 @@ pub fn flash_forward<E: Float, T: AttentionTile<E>>(
     softcap: f32,
     neg_inf: f32,
     #[comptime] cfg: TileConfig,
-    #[define(E)] _dtype: StorageType,
+    #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
     let batch = CUBE_POS_Z as usize;
     let head = CUBE_POS_Y as usize;
@@ -54,6 +62,8 @@ pub fn flash_forward<E: Float, T: AttentionTile<E>>(
         q_start: CUBE_POS_X as usize * cfg.block_q,
         band: Band::new(q, k, band_left, band_right),
         softcap: Softcap::new(scale, softcap),
+        views: Views::new::<E, M>(mask, bias, batch, head),
+        inv_scale: 1.0 / scale,
         neg_inf,
     };
 
@@ -66,12 +76,12 @@ pub fn flash_forward<E: Float, T: AttentionTile<E>>(
 
     let (first, end) = kv_blocks(coords.band, coords.q_start, cfg);
     if comptime!(cfg.tile == TilePath::TensorCore) {
-        kv_loop_pipelined::<E, T>(
-            q, k, v, coords, first, end, scale, &mut stats, &mut acc, cfg,
+        kv_loop_pipelined::<E, M, T>(
+            q, k, v, mask, bias, coords, first, end, scale, &mut stats, &mut acc, cfg,
         );
     } else {
-        kv_loop::<E, T>(
-            q, k, v, coords, first, end, scale, &mut stats, &mut acc, cfg,
+        kv_loop::<E, M, T>(
+            q, k, v, mask, bias, coords, first, end, scale, &mut stats, &mut acc, cfg,
         );
     }
 
@@ -99,11 +109,13 @@ pub fn flash_forward<E: Float, T: AttentionTile<E>>(
     }
 }
 
-/// Scores, masking, online softmax and P·V for the KV block staged at `stage`.
+/// Scores, bias, masking, online softmax and P·V for the KV block staged at `stage`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn attend_block<E: Float, T: AttentionTile<E>>(
+fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     query: &T::Query,
+    mask: &ComptimeOption<Tensor<M>>,
+    bias: &ComptimeOption<Tensor<E>>,
     keys: &SharedMemory<E>,
     values: &SharedMemory<E>,
     stage: usize,
@@ -118,23 +130,27 @@ fn attend_block<E: Float, T: AttentionTile<E>>(
     if comptime!(cfg.softcap) {
         softcap_scores(&mut scores, coords.softcap, cfg.score_regs());
     }
-    if block_needs_mask(
+    add_bias::<E, T>(
+        &mut scores,
+        bias,
+        coords.views.bias,
         coords.band,
         coords.q_start,
-        cfg.block_q,
         kv_start,
-        cfg.block_kv,
-        cfg.mask,
-    ) {
-        apply_mask::<E, T>(
-            &mut scores,
-            coords.band,
-            coords.q_start,
-            kv_start,
-            coords.neg_inf,
-            cfg,
-        );
-    }
+        coords.inv_scale,
+        false,
+        cfg,
+    );
+    apply_mask::<E, M, T>(
+        &mut scores,
+        mask,
+        coords.views.mask,
+        coords.band,
+        coords.q_start,
+        kv_start,
+        coords.neg_inf,
+        cfg,
+    );
     online_update::<E, T>(&mut scores, stats, acc, scale, coords.neg_inf, cfg);
     T::accumulate(
         &scores,
@@ -150,10 +166,12 @@ fn attend_block<E: Float, T: AttentionTile<E>>(
 /// block is in flight.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
+fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
+    mask: &ComptimeOption<Tensor<M>>,
+    bias: &ComptimeOption<Tensor<E>>,
     coords: Coords,
     first: usize,
     end: usize,
@@ -203,8 +221,10 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
                 cfg,
             );
         }
-        attend_block::<E, T>(
+        attend_block::<E, M, T>(
             &query,
+            mask,
+            bias,
             &keys,
             &values,
             stage,
@@ -222,10 +242,12 @@ fn kv_loop_pipelined<E: Float, T: AttentionTile<E>>(
 /// synchronised around it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn kv_loop<E: Float, T: AttentionTile<E>>(
+fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
+    mask: &ComptimeOption<Tensor<M>>,
+    bias: &ComptimeOption<Tensor<E>>,
     coords: Coords,
     first: usize,
     end: usize,
@@ -263,8 +285,8 @@ fn kv_loop<E: Float, T: AttentionTile<E>>(
             cfg.swizzle(),
         );
         sync_cube();
-        attend_block::<E, T>(
-            &query, &keys, &values, 0, first_row, coords, scale, stats, acc, cfg,
+        attend_block::<E, M, T>(
+            &query, mask, bias, &keys, &values, 0, first_row, coords, scale, stats, acc, cfg,
         );
     }
 }

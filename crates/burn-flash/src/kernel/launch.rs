@@ -2,8 +2,8 @@
 
 use std::sync::OnceLock;
 
-use burn::tensor::{DType, Shape};
-use burn_cubecl::kernel::into_contiguous;
+use burn::tensor::{BoolStore, DType, Shape};
+use burn_cubecl::kernel::{bool_cast, into_contiguous};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
 use cubecl::features::{MmaConfig, Plane};
@@ -159,17 +159,20 @@ fn tensor_core_config(head_dim: usize, value_dim: usize) -> TileConfig {
 }
 
 /// Run the fused forward. `q: [b, h, sq, d]`, `k: [b, hkv, sk, d]`, `v: [b, hkv, sk, dv]` (`h`
-/// a multiple of `hkv`), on one device with one dtype, accepted by [`support`]. Returns the
-/// output `[b, h, sq, dv]` in the input dtype and the log-sum-exp `[b, h, sq]` in f32 (natural
-/// log of Σ exp(scale·s) over the visible keys, `s` softcapped; `-inf` for rows that see no key,
-/// whose output is 0).
+/// a multiple of `hkv`), on one device with one dtype, accepted by [`support`]; the optional
+/// boolean `mask` (`true` hides) and additive `bias` (the inputs' dtype) are
+/// `[b|1, h|1, sq|1, sk]`. Returns the output `[b, h, sq, dv]` in the input dtype and the
+/// log-sum-exp `[b, h, sq]` in f32 (natural log of Σ exp(scale·s + bias) over the visible keys,
+/// `s` softcapped; `-inf` for rows that see no key, whose output is 0).
 pub fn forward<R: CubeRuntime>(
     q: CubeTensor<R>,
     k: CubeTensor<R>,
     v: CubeTensor<R>,
+    inputs: ScoreInputs<R>,
     params: ScoreParams,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
+    let params = params.with_inputs(inputs.mask_dims(), inputs.bias.is_some());
     let dims = q.meta.shape().clone();
     let (batch, heads, seq_q, head_dim) = (dims[0], dims[1], dims[2], dims[3]);
     let value_dim = v.meta.shape()[3];
@@ -183,8 +186,7 @@ pub fn forward<R: CubeRuntime>(
         return (out, lse);
     }
 
-    let cfg = forward_config(tile, head_dim, value_dim)
-        .with_scores(params.mask, params.softcap.is_some());
+    let cfg = forward_config(tile, head_dim, value_dim).with_scores(&params);
     let cube_dim = cube_dim(&cfg);
     let cube_count = CubeCount::Static(
         seq_q.div_ceil(cfg.block_q) as u32,
@@ -196,7 +198,7 @@ pub fn forward<R: CubeRuntime>(
         .map(|t| t.required_address_type())
         .max()
         .unwrap_or_default();
-    let dtype = q.dtype.into();
+    let dtypes = [q.dtype.into(), inputs.mask_dtype()];
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernel forms is
     // bounded by the tensors' shapes, and out-of-range rows are clamped or zero-filled.
@@ -210,6 +212,8 @@ pub fn forward<R: CubeRuntime>(
                 q.into_tensor_arg(),
                 k.into_tensor_arg(),
                 v.into_tensor_arg(),
+                inputs.mask_arg().into(),
+                inputs.bias_arg().into(),
                 out.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
                 params.scale,
@@ -218,7 +222,7 @@ pub fn forward<R: CubeRuntime>(
                 params.softcap.unwrap_or(1.0),
                 f32::NEG_INFINITY,
                 cfg,
-                dtype,
+                dtypes,
             ),
             TilePath::Portable => flash_forward::launch_unchecked::<PortableTile, R>(
                 &client,
@@ -228,6 +232,8 @@ pub fn forward<R: CubeRuntime>(
                 q.into_tensor_arg(),
                 k.into_tensor_arg(),
                 v.into_tensor_arg(),
+                inputs.mask_arg().into(),
+                inputs.bias_arg().into(),
                 out.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
                 params.scale,
@@ -236,11 +242,55 @@ pub fn forward<R: CubeRuntime>(
                 params.softcap.unwrap_or(1.0),
                 f32::NEG_INFINITY,
                 cfg,
-                dtype,
+                dtypes,
             ),
         }
     }
     (out, lse)
+}
+
+/// The mask and bias inputs of a launch, contiguous, the mask's booleans as integers.
+#[derive(Clone, Debug)]
+pub struct ScoreInputs<R: CubeRuntime> {
+    /// `[b|1, h|1, sq|1, sk]`, `true` (bit 0 set) hides the pair.
+    pub mask: Option<CubeTensor<R>>,
+    /// `[b|1, h|1, sq|1, sk]`, in the inputs' dtype.
+    pub bias: Option<CubeTensor<R>>,
+}
+
+impl<R: CubeRuntime> ScoreInputs<R> {
+    /// These inputs, made contiguous; a mask stored as native booleans becomes u8.
+    pub fn new(mask: Option<CubeTensor<R>>, bias: Option<CubeTensor<R>>) -> Self {
+        let mask = mask.map(|mask| match mask.dtype {
+            DType::Bool(BoolStore::Native) => bool_cast(mask, DType::U8),
+            _ => into_contiguous(mask),
+        });
+        Self {
+            mask,
+            bias: bias.map(into_contiguous),
+        }
+    }
+
+    /// The mask's dims, if there is one.
+    pub(crate) fn mask_dims(&self) -> Option<&[usize]> {
+        self.mask.as_ref().map(|mask| &mask.meta.shape()[..])
+    }
+
+    /// The integer type the kernels read the mask as (u8 when there is none).
+    pub(crate) fn mask_dtype(&self) -> StorageType {
+        self.mask
+            .as_ref()
+            .map_or(DType::U8, |mask| mask.dtype)
+            .into()
+    }
+
+    pub(crate) fn mask_arg(&self) -> Option<TensorArg<R>> {
+        self.mask.clone().map(CubeTensor::into_tensor_arg)
+    }
+
+    pub(crate) fn bias_arg(&self) -> Option<TensorArg<R>> {
+        self.bias.clone().map(CubeTensor::into_tensor_arg)
+    }
 }
 
 /// Units of a cube: one plane per `cfg.planes` (tensor cores), one unit per owned row (portable).
@@ -371,6 +421,7 @@ mod tests {
                 q.into_primitive().tensor(),
                 k.into_primitive().tensor(),
                 v.into_primitive().tensor(),
+                super::ScoreInputs::new(None, None),
                 crate::kernel::ScoreParams::new(&options, d, sq, sk),
             );
             let out = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(out));

@@ -4,13 +4,15 @@
 //! sliding window hides keys left of it by more than `left`. Which bounds exist is comptime
 //! ([`MaskConfig`]); their offsets are runtime ([`Band`]).
 //!
-//! Only blocks that cross a bound or the end of the keys are masked element by element; blocks
-//! wholly outside the band are never visited. All comparisons add to both sides instead of
+//! Only blocks that cross a bound or the end of the keys are masked by the band element by
+//! element; blocks wholly outside the band are never visited. A boolean mask input
+//! ([`inputs`](super::inputs)) hides more pairs, in every block. All comparisons add to both sides instead of
 //! subtracting, so unsigned indices never wrap.
 
 use cubecl::prelude::*;
 
 use super::config::{MaskConfig, TileConfig};
+use super::inputs::{Broadcast, mask_input_allows, pair_of};
 use super::tile::AttentionTile;
 
 /// Lengths and band offsets of one (batch, head).
@@ -107,7 +109,8 @@ pub fn kv_blocks(band: Band, q_start: usize, #[comptime] cfg: TileConfig) -> (us
 }
 
 /// Whether some pair of the `q_rows` queries from `q_start` and the `kv_rows` keys from
-/// `kv_start` is hidden or out of range: only such blocks are masked element by element.
+/// `kv_start` is hidden by the band or out of range: only such blocks are masked by the band
+/// element by element.
 #[cube]
 pub fn block_needs_mask(
     band: Band,
@@ -131,20 +134,36 @@ pub fn block_needs_mask(
     needs
 }
 
-/// Set the scores of hidden keys to `-inf`.
+/// Set the scores of hidden pairs to `-inf`: the band's in blocks that cross it, the mask
+/// input's (`at` its view of this (batch, head)) everywhere.
 #[cube]
-pub fn apply_mask<E: Float, T: AttentionTile<E>>(
+#[allow(clippy::too_many_arguments)]
+pub fn apply_mask<E: Float, M: Int, T: AttentionTile<E>>(
     scores: &mut Array<f32>,
+    mask: &ComptimeOption<Tensor<M>>,
+    at: Broadcast,
     band: Band,
     q_start: usize,
     kv_start: usize,
     neg_inf: f32,
     #[comptime] cfg: TileConfig,
 ) {
-    #[unroll]
-    for reg in 0..cfg.score_regs() {
-        let (row, col) = T::score_position(reg, cfg);
-        let visible = key_visible(band, q_start + row, kv_start + col, cfg.mask);
-        scores[reg] = select(visible, scores[reg], neg_inf);
+    if block_needs_mask(band, q_start, cfg.block_q, kv_start, cfg.block_kv, cfg.mask) {
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let (query, key) = pair_of::<E, T>(q_start, kv_start, reg, false, cfg);
+            scores[reg] = select(
+                key_visible(band, query, key, cfg.mask),
+                scores[reg],
+                neg_inf,
+            );
+        }
+    }
+    if comptime!(cfg.mask.tensor) {
+        let allowed = mask_input_allows::<E, M, T>(mask, at, band, q_start, kv_start, false, cfg);
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            scores[reg] = select(allowed[reg], scores[reg], neg_inf);
+        }
     }
 }

@@ -4,6 +4,7 @@
 mod backward;
 mod config;
 mod forward;
+mod inputs;
 mod launch;
 mod mask;
 mod softmax;
@@ -12,7 +13,7 @@ mod tile;
 
 pub use backward::{backward, backward_support};
 pub use config::ScoreParams;
-pub use launch::{forward, support};
+pub use launch::{ScoreInputs, forward, support};
 
 /// Which matrix tile a fused launch uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -15,10 +15,12 @@ use crate::kernel::tile::AttentionTile;
 
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn key_value_grads<E: Float, T: AttentionTile<E>>(
+pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
+    mask: &ComptimeOption<Tensor<M>>,
+    bias: &ComptimeOption<Tensor<E>>,
     d_out: &Tensor<E>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
@@ -30,7 +32,7 @@ pub fn key_value_grads<E: Float, T: AttentionTile<E>>(
     band_right: u32,
     softcap: f32,
     #[comptime] cfg: TileConfig,
-    #[define(E)] _dtype: StorageType,
+    #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
     let batch = CUBE_POS_Z as usize;
     let kv_head = CUBE_POS_Y as usize;
@@ -72,17 +74,25 @@ pub fn key_value_grads<E: Float, T: AttentionTile<E>>(
         members: group,
         first_block: first_query / cfg.block_kv,
         end_block: end_query.div_ceil(cfg.block_kv),
+        batch,
+        first_head,
     };
     let span = Span {
         owned_start,
         band,
         softcap: Softcap::new(scale, softcap),
+        inv_scale: 1.0 / scale,
     };
-    walk::<E, T>(
+    // Owning keys, the bias gradient is left to the dQ launch.
+    let mut no_bias_grad = ComptimeOption::<Tensor<E>>::new_None();
+    walk::<E, M, T>(
         &keys,
         &values,
         q,
         d_out,
+        mask,
+        bias,
+        &mut no_bias_grad,
         sweep,
         lse,
         delta,

@@ -16,7 +16,8 @@ use super::row_dot::row_dot;
 use crate::kernel::TilePath;
 use crate::kernel::config::{MMA_M, ScoreParams, TileConfig};
 use crate::kernel::launch::{
-    check_copy_split, cube_dim, fill_tensor, fits_shared, output, shape_override, usable_tile,
+    ScoreInputs, check_copy_split, cube_dim, fill_tensor, fits_shared, output, shape_override,
+    usable_tile,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 
@@ -76,22 +77,36 @@ fn atomic_dq_usable<R: CubeRuntime>(
         && fits_shared(client, "backward", atomic.backward_shared_bytes(elem_size)).is_ok()
 }
 
-/// Gradients `(dq, dk, dv)` of the fused attention, from its inputs, its output `out`, its
-/// log-sum-exp `lse` (`[b, h, sq]`, f32) and the output gradient `d_out`. Inputs as for
+/// The gradients of one backward: `bias` is the gradient of the scores, `[b, h, sq, sk]` in the
+/// inputs' dtype, when it was asked for (the caller sums it over the bias's broadcast dims).
+pub struct Grads<R: CubeRuntime> {
+    pub q: CubeTensor<R>,
+    pub k: CubeTensor<R>,
+    pub v: CubeTensor<R>,
+    pub bias: Option<CubeTensor<R>>,
+}
+
+/// Gradients of the fused attention, from its inputs, its output `out`, its log-sum-exp `lse`
+/// (`[b, h, sq]`, f32) and the output gradient `d_out`. Inputs as for
 /// [`forward`](crate::kernel::forward), accepted by [`backward_support`]. Unless
-/// `deterministic`, dQ is summed by f32 atomics where [`atomic_dq_usable`] allows it.
+/// `deterministic`, dQ is summed by f32 atomics where [`atomic_dq_usable`] allows it and no bias
+/// gradient is asked for (`bias_grad`; it is written by the dQ launch).
 #[allow(clippy::too_many_arguments)]
 pub fn backward<R: CubeRuntime>(
     q: CubeTensor<R>,
     k: CubeTensor<R>,
     v: CubeTensor<R>,
+    inputs: ScoreInputs<R>,
     out: CubeTensor<R>,
     lse: CubeTensor<R>,
     d_out: CubeTensor<R>,
     params: ScoreParams,
     deterministic: bool,
-) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    bias_grad: bool,
+) -> Grads<R> {
     let [q, k, v, out, lse, d_out] = [q, k, v, out, lse, d_out].map(into_contiguous);
+    let params = params.with_inputs(inputs.mask_dims(), inputs.bias.is_some());
+    let bias_grad = bias_grad && inputs.bias.is_some();
     let dims = q.meta.shape().clone();
     let (batch, heads, seq_q, head_dim) = (dims[0], dims[1], dims[2], dims[3]);
     let (kv_heads, seq_k, value_dim) = (k.meta.shape()[1], k.meta.shape()[2], v.meta.shape()[3]);
@@ -102,15 +117,30 @@ pub fn backward<R: CubeRuntime>(
     let d_k = output(&q, Shape::new([batch, kv_heads, seq_k, head_dim]), dtype);
     let d_v = output(&q, Shape::new([batch, kv_heads, seq_k, value_dim]), dtype);
     let delta = output(&q, Shape::new([batch, heads, seq_q]), DType::F32);
+    let d_bias = bias_grad.then(|| {
+        let d_bias = output(&q, Shape::new([batch, heads, seq_q, seq_k]), dtype);
+        // The dQ launch writes the pairs of the blocks it visits; a band skips some.
+        if params.mask.left || params.mask.right || seq_q == 0 {
+            fill_tensor(&d_bias, 0.0);
+        }
+        d_bias
+    });
+    let grads = Grads {
+        q: d_q.clone(),
+        k: d_k.clone(),
+        v: d_v.clone(),
+        bias: d_bias.clone(),
+    };
     if batch * heads == 0 {
-        return (d_q, d_k, d_v);
+        return grads;
     }
     let tile = backward_support(&client, dtype, head_dim, value_dim)
         .unwrap_or_else(|reason| panic!("fused backward launched on unsupported input: {reason}"));
     let cfg = backward_config(tile, head_dim, value_dim)
-        .with_scores(params.mask, params.softcap.is_some());
+        .with_scores(&params)
+        .with_bias_grad(bias_grad);
     let cfg = cfg.with_atomic_dq(
-        !deterministic && seq_q > 0 && atomic_dq_usable(&client, &cfg, dtype.size()),
+        !deterministic && !bias_grad && seq_q > 0 && atomic_dq_usable(&client, &cfg, dtype.size()),
     );
     crate::testing::record_dq_launch(cfg.atomic_dq);
     // The atomic dQ's f32 accumulator, contiguous and zeroed (see `key_value`).
@@ -130,6 +160,7 @@ pub fn backward<R: CubeRuntime>(
         .max()
         .unwrap_or_default();
     let elem: StorageType = dtype.into();
+    let dtypes = [elem, inputs.mask_dtype()];
     let grid = |rows: usize, heads: usize| {
         CubeCount::Static(
             rows.div_ceil(cfg.block_q) as u32,
@@ -168,6 +199,8 @@ pub fn backward<R: CubeRuntime>(
                         q.clone().into_tensor_arg(),
                         k.clone().into_tensor_arg(),
                         v.clone().into_tensor_arg(),
+                        inputs.mask_arg().into(),
+                        inputs.bias_arg().into(),
                         d_out.clone().into_tensor_arg(),
                         lse.clone().into_tensor_arg(),
                         delta.clone().into_tensor_arg(),
@@ -184,7 +217,7 @@ pub fn backward<R: CubeRuntime>(
                         params.right,
                         softcap,
                         cfg,
-                        elem,
+                        dtypes,
                     );
                 }
                 if let Some(accum) = &accum {
@@ -209,16 +242,19 @@ pub fn backward<R: CubeRuntime>(
                         q.into_tensor_arg(),
                         k.into_tensor_arg(),
                         v.into_tensor_arg(),
+                        inputs.mask_arg().into(),
+                        inputs.bias_arg().into(),
                         d_out.into_tensor_arg(),
                         lse.into_tensor_arg(),
                         delta.into_tensor_arg(),
                         d_q.clone().into_tensor_arg(),
+                        d_bias.clone().map(CubeTensor::into_tensor_arg).into(),
                         params.scale,
                         params.left,
                         params.right,
                         softcap,
                         cfg,
-                        elem,
+                        dtypes,
                     );
                 }
             }};
@@ -232,5 +268,5 @@ pub fn backward<R: CubeRuntime>(
             }
         }
     }
-    (d_q, d_k, d_v)
+    grads
 }

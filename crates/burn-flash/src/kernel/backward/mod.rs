@@ -3,7 +3,8 @@
 //! `seq_q × seq_k` matrices.
 //!
 //! With `P = exp(scale · S − lse)` and `D = rowsum(dO ∘ O)`:
-//! `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − D)`, `dK = scale · dSᵀ·Q`, `dQ = scale · dS·K`.
+//! `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − D)`, `dK = scale · dSᵀ·Q`, `dQ = scale · dS·K`;
+//! an additive bias's gradient is `dS` itself.
 //!
 //! Three launches: [`row_dot`] computes `D`; [`key_value`] owns a block of keys per cube and walks
 //! the query blocks that see it (dK, dV); [`query`] owns a block of queries per cube and walks the

@@ -1,6 +1,6 @@
 //! dQ: one cube per block of queries of one head. The cube owns its queries and output gradients
 //! as tile operands and walks the key blocks of its key/value head that they can see, staging K
-//! and V.
+//! and V. It also writes the bias gradient when one is asked for.
 
 use cubecl::prelude::*;
 
@@ -12,20 +12,23 @@ use crate::kernel::tile::AttentionTile;
 
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
-pub fn query_grads<E: Float, T: AttentionTile<E>>(
+pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
+    mask: &ComptimeOption<Tensor<M>>,
+    bias: &ComptimeOption<Tensor<E>>,
     d_out: &Tensor<E>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     d_q: &mut Tensor<E>,
+    d_bias: &mut ComptimeOption<Tensor<E>>,
     scale: f32,
     band_left: u32,
     band_right: u32,
     softcap: f32,
     #[comptime] cfg: TileConfig,
-    #[define(E)] _dtype: StorageType,
+    #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
     let batch = CUBE_POS_Z as usize;
     let head = CUBE_POS_Y as usize;
@@ -34,6 +37,7 @@ pub fn query_grads<E: Float, T: AttentionTile<E>>(
         owned_start: CUBE_POS_X as usize * cfg.block_q,
         band: Band::new(q, k, band_left, band_right),
         softcap: Softcap::new(scale, softcap),
+        inv_scale: 1.0 / scale,
     };
     let query_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
     let grad_cfg = comptime!(cfg.with_widths(cfg.value_dim, cfg.value_dim));
@@ -64,12 +68,17 @@ pub fn query_grads<E: Float, T: AttentionTile<E>>(
         members: 1,
         first_block,
         end_block,
+        batch,
+        first_head: head,
     };
-    walk::<E, T>(
+    walk::<E, M, T>(
         &queries,
         &grads,
         k,
         v,
+        mask,
+        bias,
+        d_bias,
         sweep,
         lse,
         delta,

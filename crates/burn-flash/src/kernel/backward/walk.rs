@@ -3,12 +3,15 @@
 //! staged block it recomputes `P` from the scores and the saved log-sum-exp, forms
 //! `dS = P ∘ (dP − D)`, and accumulates the owned rows' gradients with the same tile products as
 //! the forward (`scores` for `K·Qᵀ`/`V·dOᵀ`, `accumulate` for `Pᵀ·dO`/`dSᵀ·Q`/`dS·K`). Owning
-//! keys with an atomic dQ, it also adds `dSᵀ·K` to the staged queries' dQ accumulator.
+//! keys with an atomic dQ, it also adds `dSᵀ·K` to the staged queries' dQ accumulator. Owning
+//! queries with a bias gradient asked for, it writes `dS` (before the scale and the softcap's
+//! slope: the gradient of the bias) as it goes.
 
 use cubecl::prelude::*;
 
 use crate::kernel::TilePath;
 use crate::kernel::config::TileConfig;
+use crate::kernel::inputs::{Views, add_bias, mask_input_allows, pair_of, write_bias_grad};
 use crate::kernel::mask::{Band, block_needs_mask, key_visible};
 use crate::kernel::softmax::Softcap;
 use crate::kernel::stage::{StageBarriers, fetch_stage, load_block};
@@ -21,6 +24,7 @@ pub struct Span {
     pub owned_start: usize,
     pub band: Band,
     pub softcap: Softcap,
+    pub inv_scale: f32,
 }
 
 /// The staged side of a walk: blocks `[first_block, end_block)` of `first` (the score product's
@@ -45,6 +49,10 @@ pub struct Sweep {
     pub members: usize,
     pub first_block: usize,
     pub end_block: usize,
+    /// The batch and member 0's query head (the mask, bias and bias gradient are per query
+    /// head).
+    pub batch: usize,
+    pub first_head: usize,
 }
 
 /// A per-query statistic (log-sum-exp or D) of the head at `stat_base`; 0 for rows past the
@@ -60,11 +68,14 @@ fn query_stat(stat: &Tensor<f32>, stat_base: usize, span: Span, query: usize) ->
 /// one is computed; portable tile: one stage of plain loads.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn walk<E: Float, T: AttentionTile<E>>(
+pub fn walk<E: Float, M: Int, T: AttentionTile<E>>(
     first_owned: &T::Query,
     second_owned: &T::Query,
     first: &Tensor<E>,
     second: &Tensor<E>,
+    mask: &ComptimeOption<Tensor<M>>,
+    bias: &ComptimeOption<Tensor<E>>,
+    d_bias: &mut ComptimeOption<Tensor<E>>,
     sweep: Sweep,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
@@ -138,13 +149,18 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
                 );
             }
             let member = step / blocks;
-            block_grads::<E, T>(
+            block_grads::<E, M, T>(
                 first_owned,
                 second_owned,
                 &first_stages,
                 &second_stages,
                 stage,
                 (sweep.first_block + step % blocks) * cfg.block_kv,
+                mask,
+                bias,
+                d_bias,
+                sweep.batch,
+                sweep.first_head + member,
                 lse,
                 delta,
                 sweep.stat_base + member * sweep.stat_step,
@@ -192,13 +208,18 @@ pub fn walk<E: Float, T: AttentionTile<E>>(
                 cfg.swizzle(),
             );
             sync_cube();
-            block_grads::<E, T>(
+            block_grads::<E, M, T>(
                 first_owned,
                 second_owned,
                 &first_stage,
                 &second_stage,
                 0,
                 first_row,
+                mask,
+                bias,
+                d_bias,
+                sweep.batch,
+                sweep.first_head + member,
                 lse,
                 delta,
                 sweep.stat_base + member * sweep.stat_step,
@@ -250,18 +271,24 @@ fn fetch_step<E: Float>(
     );
 }
 
-/// Gradients from the staged block at `stage` whose first row is `staged_start`:
-/// owning keys, `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, and with an accumulator its block of
-/// `dQ += dS·K` by atomics; owning queries, `dQ += dS·K`. All unscaled.
+/// Gradients from the staged block at `stage` whose first row is `staged_start`, for query
+/// head `head`: owning keys, `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, and with an accumulator its block
+/// of `dQ += dS·K` by atomics; owning queries, `dQ += dS·K` and the bias gradient if asked. All
+/// unscaled.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn block_grads<E: Float, T: AttentionTile<E>>(
+fn block_grads<E: Float, M: Int, T: AttentionTile<E>>(
     first_owned: &T::Query,
     second_owned: &T::Query,
     first_stages: &SharedMemory<E>,
     second_stages: &SharedMemory<E>,
     stage: usize,
     staged_start: usize,
+    mask: &ComptimeOption<Tensor<M>>,
+    bias: &ComptimeOption<Tensor<E>>,
+    d_bias: &mut ComptimeOption<Tensor<E>>,
+    batch: usize,
+    head: usize,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     stat_base: usize,
@@ -279,6 +306,14 @@ fn block_grads<E: Float, T: AttentionTile<E>>(
 ) {
     let first_base = stage * comptime!(cfg.block_kv * cfg.head_dim);
     let second_base = stage * comptime!(cfg.block_kv * cfg.value_dim);
+    // Registers are (owned row, staged row): which is the query depends on the side owned.
+    let (q_start, kv_start) = if comptime!(owns_keys) {
+        (staged_start, span.owned_start)
+    } else {
+        (span.owned_start, staged_start)
+    };
+    let views = Views::new::<E, M>(mask, bias, batch, head);
+
     // S = owned·stagedᵀ (K·Qᵀ or Q·Kᵀ) and dP (V·dOᵀ or dO·Vᵀ), in the same register layout.
     let mut probs = T::scores(first_owned, first_stages, first_base, cfg);
     let mut grads = T::scores(
@@ -299,8 +334,18 @@ fn block_grads<E: Float, T: AttentionTile<E>>(
             slope[reg] = 1.0 - t * t;
         }
     }
+    add_bias::<E, T>(
+        &mut probs,
+        bias,
+        views.bias,
+        span.band,
+        q_start,
+        kv_start,
+        span.inv_scale,
+        owns_keys,
+        cfg,
+    );
 
-    // Registers are (owned row, staged row): which is the query depends on the side owned.
     #[unroll]
     for reg in 0..cfg.score_regs() {
         let slot = comptime!(cfg.score_slot(reg));
@@ -313,34 +358,46 @@ fn block_grads<E: Float, T: AttentionTile<E>>(
         } else {
             (owned_lse[slot], owned_delta[slot])
         };
-        let p = (probs[reg] * scale - row_lse).exp();
+        let mut p = (probs[reg] * scale - row_lse).exp();
+        if comptime!(cfg.bias) {
+            // A bias of -inf can hide a whole row (lse -inf): exp(-inf + inf) is NaN, not 0.
+            p = select(row_lse >= f32::MIN, p, 0.0);
+        }
         probs[reg] = p;
         grads[reg] = p * (grads[reg] - row_delta);
-        if comptime!(cfg.softcap) {
-            grads[reg] *= slope[reg];
-        }
     }
 
-    let (q_start, kv_start) = if comptime!(owns_keys) {
-        (staged_start, span.owned_start)
-    } else {
-        (span.owned_start, staged_start)
-    };
     let q_rows = comptime!(if owns_keys { cfg.block_kv } else { cfg.block_q });
     let kv_rows = comptime!(if owns_keys { cfg.block_q } else { cfg.block_kv });
+    // Hidden pairs may have overflowed to inf above; select drops them without arithmetic.
     if block_needs_mask(span.band, q_start, q_rows, kv_start, kv_rows, cfg.mask) {
-        // Hidden pairs may have overflowed to inf above; select drops them without arithmetic.
         #[unroll]
         for reg in 0..cfg.score_regs() {
-            let (row, col) = T::score_position(reg, cfg);
-            let (query, key) = if comptime!(owns_keys) {
-                (q_start + col, kv_start + row)
-            } else {
-                (q_start + row, kv_start + col)
-            };
+            let (query, key) = pair_of::<E, T>(q_start, kv_start, reg, owns_keys, cfg);
             let visible = key_visible(span.band, query, key, cfg.mask);
             probs[reg] = select(visible, probs[reg], 0.0);
             grads[reg] = select(visible, grads[reg], 0.0);
+        }
+    }
+    if comptime!(cfg.mask.tensor) {
+        let allowed = mask_input_allows::<E, M, T>(
+            mask, views.mask, span.band, q_start, kv_start, owns_keys, cfg,
+        );
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            probs[reg] = select(allowed[reg], probs[reg], 0.0);
+            grads[reg] = select(allowed[reg], grads[reg], 0.0);
+        }
+    }
+    if comptime!(!owns_keys) {
+        write_bias_grad::<E, T>(
+            &grads, d_bias, batch, head, span.band, q_start, kv_start, cfg,
+        );
+    }
+    if comptime!(cfg.softcap) {
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            grads[reg] *= slope[reg];
         }
     }
 

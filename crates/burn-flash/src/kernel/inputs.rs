@@ -1,0 +1,203 @@
+//! The per-score inputs beside Q, K and V: a boolean mask (`true` hides the pair) and an additive
+//! bias, each `[batch|1, heads|1, seq_q|1, seq_k]` and contiguous, a dim of 1 broadcasting. Both
+//! are read element by element where the score registers sit, as `ComptimeOption`s: a kernel
+//! without them has no trace of them.
+//!
+//! The bias is added to the raw (unscaled, softcapped) scores divided by the scale, so that
+//! everything downstream, which multiplies by the scale, sees `scale · s + bias` as Burn's
+//! attention defines it.
+
+use cubecl::prelude::*;
+
+use super::config::TileConfig;
+use super::mask::Band;
+use super::tile::AttentionTile;
+
+/// Where one (batch, head) starts in a broadcast input and how far apart its query rows are.
+#[derive(CubeType, Clone, Copy)]
+pub struct Broadcast {
+    pub base: usize,
+    pub row_stride: usize,
+}
+
+/// The view of (batch, head) in `t` (`[b|1, h|1, seq_q|1, seq_k]` contiguous).
+#[cube]
+pub fn broadcast<N: CubePrimitive>(t: &Tensor<N>, batch: usize, head: usize) -> Broadcast {
+    Broadcast {
+        base: select(t.shape(0) == 1, 0usize, batch * t.stride(0))
+            + select(t.shape(1) == 1, 0usize, head * t.stride(1)),
+        row_stride: select(t.shape(2) == 1, 0usize, t.stride(2)),
+    }
+}
+
+/// The index of (query, key) in a broadcast input, clamped into the sequences: pairs outside
+/// them read a neighbour's value, which is never used (they are hidden). Both sequences are
+/// non-empty wherever a block is visited.
+#[cube]
+fn element(at: Broadcast, band: Band, query: usize, key: usize) -> usize {
+    at.base + min(query, band.seq_q - 1) * at.row_stride + min(key, band.seq_k - 1)
+}
+
+/// Whether the mask input, if any, lets `query` see `key` (both within the sequences).
+#[cube]
+pub fn mask_allows<M: Int>(
+    mask: &ComptimeOption<Tensor<M>>,
+    at: Broadcast,
+    band: Band,
+    query: usize,
+    key: usize,
+) -> bool {
+    let mut allows = true;
+    #[comptime]
+    if let ComptimeOption::Some(mask) = mask {
+        // Burn stores booleans as integers of which only bit 0 counts.
+        allows = (mask[element(at, band, query, key)] & M::new(1)) == M::new(0);
+    }
+    allows
+}
+
+/// Whether the mask input lets the pair of each score register through (the block of queries
+/// from `q_start` and keys from `kv_start`; `transposed` as in [`pair_of`]). A mask the same for
+/// every query (`cfg.mask.per_key`) is read once per key the unit holds.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn mask_input_allows<E: Float, M: Int, T: AttentionTile<E>>(
+    mask: &ComptimeOption<Tensor<M>>,
+    at: Broadcast,
+    band: Band,
+    q_start: usize,
+    kv_start: usize,
+    #[comptime] transposed: bool,
+    #[comptime] cfg: TileConfig,
+) -> Array<bool> {
+    let mut allowed = Array::<bool>::new(cfg.score_regs());
+    #[unroll]
+    for reg in 0..cfg.score_regs() {
+        let first = comptime!(if cfg.mask.per_key {
+            cfg.key_reg(reg, transposed)
+        } else {
+            reg
+        });
+        if comptime!(first == reg) {
+            let (query, key) = pair_of::<E, T>(q_start, kv_start, reg, transposed, cfg);
+            allowed[reg] = mask_allows::<M>(mask, at, band, query, key);
+        } else {
+            allowed[reg] = allowed[first];
+        }
+    }
+    allowed
+}
+
+/// (query, key) of score register `reg` of the block of queries from `q_start` and keys from
+/// `kv_start`; `transposed` when the registers hold (key, query) (the backward owning keys).
+#[cube]
+pub fn pair_of<E: Float, T: AttentionTile<E>>(
+    q_start: usize,
+    kv_start: usize,
+    #[comptime] reg: usize,
+    #[comptime] transposed: bool,
+    #[comptime] cfg: TileConfig,
+) -> (usize, usize) {
+    let (row, col) = T::score_position(reg, cfg);
+    if comptime!(transposed) {
+        (q_start + col, kv_start + row)
+    } else {
+        (q_start + row, kv_start + col)
+    }
+}
+
+/// Add `bias / scale` to the raw scores of the block (`inv_scale = 1 / scale`), if a bias is
+/// given.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn add_bias<E: Float, T: AttentionTile<E>>(
+    scores: &mut Array<f32>,
+    bias: &ComptimeOption<Tensor<E>>,
+    at: Broadcast,
+    band: Band,
+    q_start: usize,
+    kv_start: usize,
+    inv_scale: f32,
+    #[comptime] transposed: bool,
+    #[comptime] cfg: TileConfig,
+) {
+    #[comptime]
+    if let ComptimeOption::Some(bias) = bias {
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let (query, key) = pair_of::<E, T>(q_start, kv_start, reg, transposed, cfg);
+            scores[reg] += f32::cast_from(bias[element(at, band, query, key)]) * inv_scale;
+        }
+    }
+}
+
+/// Write the scores' gradient of the block (queries in rows) into `d_bias`
+/// (`[b, h, seq_q, seq_k]` contiguous), if it is asked for.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn write_bias_grad<E: Float, T: AttentionTile<E>>(
+    grads: &Array<f32>,
+    d_bias: &mut ComptimeOption<Tensor<E>>,
+    batch: usize,
+    head: usize,
+    band: Band,
+    q_start: usize,
+    kv_start: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    #[comptime]
+    if let ComptimeOption::Some(d_bias) = d_bias {
+        let at = broadcast::<E>(d_bias, batch, head);
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let (query, key) = pair_of::<E, T>(q_start, kv_start, reg, false, cfg);
+            if query < band.seq_q && key < band.seq_k {
+                d_bias[at.base + query * at.row_stride + key] = E::cast_from(grads[reg]);
+            }
+        }
+    }
+}
+
+/// The views of (batch, head) in the mask and the bias inputs (unused where absent).
+#[derive(CubeType, Clone, Copy)]
+pub struct Views {
+    pub mask: Broadcast,
+    pub bias: Broadcast,
+}
+
+#[cube]
+impl Views {
+    pub fn new<E: Float, M: Int>(
+        mask: &ComptimeOption<Tensor<M>>,
+        bias: &ComptimeOption<Tensor<E>>,
+        batch: usize,
+        head: usize,
+    ) -> Views {
+        let mut mask_base = 0usize;
+        let mut mask_row = 0usize;
+        let mut bias_base = 0usize;
+        let mut bias_row = 0usize;
+        #[comptime]
+        if let ComptimeOption::Some(mask) = mask {
+            let at = broadcast::<M>(mask, batch, head);
+            mask_base = at.base;
+            mask_row = at.row_stride;
+        }
+        #[comptime]
+        if let ComptimeOption::Some(bias) = bias {
+            let at = broadcast::<E>(bias, batch, head);
+            bias_base = at.base;
+            bias_row = at.row_stride;
+        }
+        Views {
+            mask: Broadcast {
+                base: mask_base,
+                row_stride: mask_row,
+            },
+            bias: Broadcast {
+                base: bias_base,
+                row_stride: bias_row,
+            },
+        }
+    }
+}
