@@ -50,14 +50,16 @@ use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Wgpu};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::module::{attention, attention_fallback};
-use burn::tensor::{DType, Distribution, Tensor};
+use burn::tensor::{Bool, DType, Distribution, Tensor};
 use burn_flash::{
-    FlashAttentionBackend, FlashAttentionOptions, flash_attention, flash_attention_plan,
+    AttentionMask, FlashAttentionBackend, FlashAttentionOptions, flash_attention_masked,
+    flash_attention_plan,
 };
 
 const USAGE: &str = "\
 usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
                  [--causal both|true|false] [--window LEFT] [--softcap CAP]
+                 [--mask keypad|full] [--bias heads]
                  [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
                  [--backend auto|cuda|wgpu] [--iters N] [--warmup N] [--sets N]
                  [--budget-ms MS] [--row-seconds S] [--modes fwd,fwdbwd] [--memory]
@@ -69,6 +71,11 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
 --window:  a sliding window of LEFT keys before each query's diagonal (burn-flash only; its
            rows are named burn-flash-swaLEFT, their TFLOPS count the visible pairs exactly).
 --softcap: scores pass through CAP·tanh(s / CAP) (burn-flash only; rows burn-flash-capCAP).
+--mask:    a boolean mask: keypad, the last eighth of every sequence's keys padded ([b, n]);
+           full, a random mask per sequence ([b, 1, n, n], 10 % hidden). Rows IMPL-keypad or
+           IMPL-mask; Burn's peers get it expanded to [b, h, n, n]. TFLOPS count all n² pairs.
+--bias:    heads, an additive bias per head ([1, h, n, n], as a relative-position bias), with
+           its gradient in fwdbwd. Rows IMPL-bias; Burn's peers get it expanded.
 --peers:   a CSV of the same columns from another program on this device (torch_sdpa_bench.py),
            whose rows join the summary printed after the CSV.";
 
@@ -83,6 +90,8 @@ struct Args {
     hkv: usize,
     window: Option<usize>,
     softcap: Option<f64>,
+    mask: Option<String>,
+    bias: bool,
     causal: Vec<bool>,
     impls: Vec<String>,
     dtype: Option<DType>,
@@ -123,6 +132,8 @@ fn parse_args() -> Args {
         hkv: 0,
         window: None,
         softcap: None,
+        mask: None,
+        bias: false,
         causal: vec![false, true],
         impls: IMPLS.iter().map(|s| s.to_string()).collect(),
         dtype: None,
@@ -165,6 +176,18 @@ fn parse_args() -> Args {
             "--hkv" => args.hkv = number(&value) as usize,
             "--window" => args.window = Some(number(&value) as usize),
             "--softcap" => args.softcap = Some(number(&value)),
+            "--mask" => {
+                if !matches!(value.as_str(), "keypad" | "full") {
+                    fail("--mask takes keypad or full");
+                }
+                args.mask = Some(value);
+            }
+            "--bias" => {
+                if value != "heads" {
+                    fail("--bias takes heads");
+                }
+                args.bias = true;
+            }
             "--causal" => {
                 args.causal = match value.as_str() {
                     "both" => vec![false, true],
@@ -261,16 +284,58 @@ fn median_ms(times: &mut [Duration]) -> f64 {
     }
 }
 
+/// One input set: `q`, `k`, `v`, and the mask and bias when the run has them.
+#[derive(Clone)]
+struct Set<B: FlashAttentionBackend> {
+    qkv: [Tensor<B, 4>; 3],
+    mask: Option<AttentionMask<B>>,
+    bias: Option<Tensor<B, 4>>,
+}
+
+impl<B: FlashAttentionBackend> Set<B> {
+    /// Random inputs of these sizes, with the mask and bias `args` ask for.
+    #[allow(clippy::too_many_arguments)]
+    fn random(
+        args: &Args,
+        device: &B::Device,
+        dtype: DType,
+        [b, h, hkv, n, d]: [usize; 5],
+    ) -> Self {
+        let normal = Distribution::Normal(0.0, 1.0);
+        let qkv =
+            [h, hkv, hkv].map(|heads| Tensor::random([b, heads, n, d], normal, (device, dtype)));
+        let mask = args.mask.as_deref().map(|kind| match kind {
+            "keypad" => {
+                let keys = Tensor::<B, 1, burn::tensor::Int>::arange(0..n as i64, device);
+                AttentionMask::KeyPadding(
+                    keys.greater_equal_elem((n - n / 8) as i64)
+                        .unsqueeze::<2>()
+                        .repeat_dim(0, b),
+                )
+            }
+            _ => AttentionMask::Full(
+                Tensor::<B, 4>::random([b, 1, n, n], Distribution::Uniform(0.0, 1.0), device)
+                    .lower_elem(0.1),
+            ),
+        });
+        let bias = args
+            .bias
+            .then(|| Tensor::random([1, h, n, n], normal, (device, dtype)));
+        Self { qkv, mask, bias }
+    }
+}
+
 /// One forward call of implementation `name`.
 fn forward<B: FlashAttentionBackend>(
     name: &str,
-    [q, k, v]: [Tensor<B, 4>; 3],
+    set: Set<B>,
     options: FlashAttentionOptions,
 ) -> Tensor<B, 4> {
+    let [q, k, v] = set.qkv;
     if name == "burn-flash" {
-        return flash_attention(q, k, v, options);
+        return flash_attention_masked(q, k, v, set.mask, set.bias, options);
     }
-    // Burn's attention wants as many key/value heads as query heads.
+    // Burn's attention wants as many key/value heads as query heads, and full masks and biases.
     let ([b, h, _, _], [_, hkv, n, d]) = (q.dims(), k.dims());
     let expand = |t: Tensor<B, 4>| {
         t.unsqueeze_dim::<5>(2)
@@ -282,9 +347,16 @@ fn forward<B: FlashAttentionBackend>(
     } else {
         (expand(k), expand(v))
     };
+    let seq_q = q.dims()[2];
+    let scores = [b, h, seq_q, n];
+    let mask: Option<Tensor<B, 4, Bool>> = set.mask.map(|mask| match mask {
+        AttentionMask::KeyPadding(padding) => padding.reshape([b, 1, 1, n]).expand(scores),
+        AttentionMask::Full(mask) => mask.expand(scores),
+    });
+    let bias = set.bias.map(|bias| bias.expand(scores));
     match name {
-        "burn-unfused" => attention_fallback(q, k, v, None, None, options.into()),
-        "burn-builtin" => attention(q, k, v, None, None, options.into()),
+        "burn-unfused" => attention_fallback(q, k, v, mask, bias, options.into()),
+        "burn-builtin" => attention(q, k, v, mask, bias, options.into()),
         _ => unreachable!("impls are checked when parsing"),
     }
 }
@@ -300,19 +372,24 @@ fn visible_pairs(n: usize, causal: bool, left: usize) -> f64 {
         .sum()
 }
 
-/// One training step of attention: the forward of `name` on inputs that require gradients,
-/// then `backward()` of its output (all-ones upstream gradient).
+/// One training step of attention: the forward of `name` on inputs (and bias) that require
+/// gradients, then `backward()` of its output (all-ones upstream gradient).
 fn forward_backward<B: FlashAttentionBackend + AutodiffBackend>(
     name: &str,
-    inputs: [Tensor<B, 4>; 3],
+    set: Set<B>,
     options: FlashAttentionOptions,
 ) {
-    let out = forward(name, inputs.map(Tensor::require_grad), options);
+    let set = Set {
+        qkv: set.qkv.map(Tensor::require_grad),
+        mask: set.mask,
+        bias: set.bias.map(Tensor::require_grad),
+    };
+    let out = forward(name, set, options);
     let _grads = out.backward();
 }
 
 /// What one timed call runs: [`forward`] or [`forward_backward`].
-type Call<B> = fn(&str, [Tensor<B, 4>; 3], FlashAttentionOptions);
+type Call<B> = fn(&str, Set<B>, FlashAttentionOptions);
 
 /// `batch` calls issued back to back from input set `first` on, synchronised once at the end;
 /// returns the wall time per call.
@@ -320,7 +397,7 @@ fn timed_batch<B: FlashAttentionBackend>(
     device: &B::Device,
     call: Call<B>,
     name: &str,
-    inputs: &[[Tensor<B, 4>; 3]],
+    inputs: &[Set<B>],
     first: usize,
     batch: usize,
     options: FlashAttentionOptions,
@@ -371,13 +448,8 @@ fn run<B: FlashAttentionBackend>(
             };
             let hkv = if args.hkv > 0 { args.hkv } else { h };
             B::seed(&device, 0);
-            let inputs: Vec<[Tensor<B, 4>; 3]> = (0..args.sets)
-                .map(|_| {
-                    [h, hkv, hkv].map(|heads| {
-                        let dims = [b, heads, n, d];
-                        Tensor::random(dims, Distribution::Normal(0.0, 1.0), (&device, s.dtype))
-                    })
-                })
+            let inputs: Vec<Set<B>> = (0..args.sets)
+                .map(|_| Set::random(args, &device, s.dtype, [b, h, hkv, n, d]))
                 .collect();
             for &causal in &args.causal {
                 let mut options = FlashAttentionOptions::new().with_causal(causal);
@@ -400,7 +472,7 @@ fn run<B: FlashAttentionBackend>(
                     dtype_name(s.dtype),
                     py_bool(causal)
                 );
-                let [q, k, v] = &inputs[0];
+                let [q, k, v] = &inputs[0].qkv;
                 match flash_attention_plan(q, k, v, options) {
                     Ok(plan) => {
                         eprintln!(
@@ -424,6 +496,15 @@ fn run<B: FlashAttentionBackend>(
                     if !variant.is_empty() && name != "burn-flash" {
                         println!("# {name},{prefix},{mode} skipped: no{variant} variant");
                         continue;
+                    }
+                    // Masks and biases all take.
+                    match args.mask.as_deref() {
+                        Some("keypad") => variant += "-keypad",
+                        Some(_) => variant += "-mask",
+                        None => {}
+                    }
+                    if args.bias {
+                        variant += "-bias";
                     }
                     let row = format!("{name}{variant},{prefix}");
                     let key = (name.clone(), d, causal);
@@ -476,7 +557,7 @@ fn measure<B: FlashAttentionBackend>(
     call: Call<B>,
     name: &str,
     row: &str,
-    inputs: &[[Tensor<B, 4>; 3]],
+    inputs: &[Set<B>],
     options: FlashAttentionOptions,
     flops: f64,
     s: &Settings,
@@ -694,10 +775,7 @@ fn memory(device: burn::backend::cuda::CudaDevice, args: &Args, s: &Settings) {
         for &n in &s.n {
             for &causal in &args.causal {
                 let (b, h) = (args.b.max(1), args.h.max(1));
-                let dims = [b, h, n, d];
-                let inputs = [(); 3].map(|_| {
-                    Tensor::<B, 4>::random(dims, Distribution::Normal(0.0, 1.0), (&device, s.dtype))
-                });
+                let inputs = Set::<B>::random(args, &device, s.dtype, [b, h, h, n, d]);
                 let options = FlashAttentionOptions::new().with_causal(causal);
                 let row = format!(
                     "{name},{},{b},{h},{n},{d},{}",
