@@ -165,15 +165,22 @@ pub fn try_flash_attention<B: FlashAttentionBackend>(
 /// # Example
 ///
 /// ```
-/// use burn::backend::NdArray;
-/// use burn::tensor::{Bool, Tensor};
-/// use burn_flash::AttentionMask;
+/// use burn::tensor::{Bool, Tensor, TensorData};
+/// use burn_flash::{AttentionMask, FlashAttentionBackend};
 ///
-/// let device = Default::default();
-/// // Batch of 2 over 3 keys: the second sequence's last key is padding.
-/// let padding = Tensor::<NdArray, 2, Bool>::from_data([[false, false, false], [false, false, true]], &device);
-/// let mask = AttentionMask::KeyPadding(padding);
-/// assert!(matches!(mask, AttentionMask::KeyPadding(_)));
+/// // Sequences of these lengths padded to `seq_k` keys: the keys past each length are padding.
+/// fn padding<B: FlashAttentionBackend>(
+///     lengths: &[usize],
+///     seq_k: usize,
+///     device: &B::Device,
+/// ) -> AttentionMask<B> {
+///     let hidden: Vec<bool> = lengths
+///         .iter()
+///         .flat_map(|&len| (0..seq_k).map(move |key| key >= len))
+///         .collect();
+///     let data = TensorData::new(hidden, [lengths.len(), seq_k]);
+///     AttentionMask::KeyPadding(Tensor::<B, 2, Bool>::from_data(data, device))
+/// }
 /// ```
 #[derive(Clone, Debug)]
 pub enum AttentionMask<B: FlashAttentionBackend> {
