@@ -445,9 +445,9 @@ fn fallback<B: FlashAttentionBackend>(
             .reshape([batch, heads, seq, dim])
     };
     let scores = [batch, heads, seq_q, seq_k];
-    // The band of the window, and the causal mask too when a bias needs every hidden pair.
-    let band = options.window.is_some() || (options.causal && bias.is_some());
-    let band = band.then(|| {
+    // With a bias the causal mask joins the band, so that the bias can be zeroed on it too.
+    let biased = bias.is_some();
+    let band = (options.window.is_some() || (options.causal && biased)).then(|| {
         let hidden: Vec<bool> = (0..seq_q * seq_k)
             .map(|at| !options.sees(at / seq_k, at % seq_k, seq_q, seq_k))
             .collect();
@@ -455,21 +455,23 @@ fn fallback<B: FlashAttentionBackend>(
             .unsqueeze::<4>()
             .expand(scores)
     });
-    let mut mask = match (mask.map(|mask| mask.expand(scores)), band) {
-        (Some(mask), Some(band)) => Some(mask.bool_or(band)),
-        (mask, band) => mask.or(band),
+    options.causal &= !biased;
+    let join = |a: Option<Tensor<B, 4, Bool>>, b: Tensor<B, 4, Bool>| match a {
+        Some(a) => a.bool_or(b),
+        None => b,
     };
-    let bias = bias.map(|bias| {
-        let bias = bias.expand(scores);
-        let hidden = bias.clone().equal_elem(f32::NEG_INFINITY);
-        let hidden = match mask.take() {
-            Some(mask) => mask.bool_or(hidden),
-            None => hidden,
-        };
-        mask = Some(hidden.clone());
-        options.causal = false;
-        bias.mask_fill(hidden, 0.0)
-    });
+    let mask = match band {
+        Some(band) => Some(join(mask.map(|mask| mask.expand(scores)), band)),
+        None => mask.map(|mask| mask.expand(scores)),
+    };
+    let (mask, bias) = match bias {
+        Some(bias) => {
+            let bias = bias.expand(scores);
+            let hidden = join(mask, bias.clone().equal_elem(f32::NEG_INFINITY));
+            (Some(hidden.clone()), Some(bias.mask_fill(hidden, 0.0)))
+        }
+        None => (mask, None),
+    };
     attention_fallback(q, expand(k), expand(v), mask, bias, options.into())
 }
 

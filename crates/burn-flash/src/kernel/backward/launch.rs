@@ -120,7 +120,7 @@ pub fn backward<R: CubeRuntime>(
     let d_bias = bias_grad.then(|| {
         let d_bias = output(&q, Shape::new([batch, heads, seq_q, seq_k]), dtype);
         // The dQ launch writes the pairs of the blocks it visits; a band skips some.
-        if params.mask.left || params.mask.right || seq_q == 0 {
+        if params.mask.left || params.mask.right {
             fill_tensor(&d_bias, 0.0);
         }
         d_bias
