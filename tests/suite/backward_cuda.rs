@@ -161,7 +161,8 @@ fn judge_all(
     failures
 }
 
-/// Small and odd shapes, plain and causal, then the features at tensor-core sizes.
+/// Small and odd shapes, plain and causal, at every tensor-core head dim, then the features at
+/// tensor-core sizes.
 fn small_problems() -> Vec<(Problem, Spec)> {
     [
         Problem::square(1, 1, 1, 64),
@@ -179,6 +180,7 @@ fn small_problems() -> Vec<(Problem, Spec)> {
         Problem::square(1, 2, 200, 128),
     ]
     .into_iter()
+    .chain(common::head_dim_problems())
     .flat_map(|p| [(p, Spec::from(false)), (p, Spec::from(true))])
     .chain(common::feature_cases())
     .collect()

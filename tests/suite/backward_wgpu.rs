@@ -80,6 +80,7 @@ fn gradients_match_reference() {
         (Problem::cross(1, 1, 65, 33, 64), true),
         (Problem::cross(1, 1, 33, 70, 48), true),
         (Problem::square(1, 1, 200, 128), true),
+        (Problem::cross(1, 2, 20, 37, 256).with_value_dim(32), true),
     ] {
         check(problem, causal, 7 + problem.seq_q as u64);
     }

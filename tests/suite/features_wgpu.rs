@@ -223,7 +223,7 @@ fn features_on_the_fallback() {
         softcap: Some(4.0),
     };
     check_all(
-        &[(Problem::cross(1, 4, 19, 23, 160).grouped(2), spec, None)],
+        &[(Problem::cross(1, 4, 19, 23, 288).grouped(2), spec, None)],
         500,
         false,
     );

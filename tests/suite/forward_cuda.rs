@@ -50,7 +50,7 @@ const F32_TOLERANCE: f64 = 1e-4;
 const RULE_FLOOR: f64 = 1e-6;
 
 /// The path bf16/f16 inputs of this head dim must take on this device.
-fn expected_plan(device: &CudaDevice, dtype: DType, head_dim: usize) -> Expect {
+fn expected_plan(device: &CudaDevice, dtype: DType, problem: &Problem) -> Expect {
     match dtype {
         DType::F32 => Expect::Tile(TilePath::Portable),
         _ if !has_tensor_cores(device, dtype) => {
@@ -61,7 +61,12 @@ fn expected_plan(device: &CudaDevice, dtype: DType, head_dim: usize) -> Expect {
             );
             Expect::Tile(TilePath::Portable)
         }
-        _ if matches!(head_dim, 64 | 128) => Expect::Tile(TilePath::TensorCore),
+        _ if [problem.head_dim, problem.value_dim]
+            .iter()
+            .all(|dim| matches!(dim, 32 | 64 | 96 | 128 | 256)) =>
+        {
+            Expect::Tile(TilePath::TensorCore)
+        }
         _ => Expect::Fallback,
     }
 }
@@ -150,8 +155,9 @@ impl core::fmt::Display for Case {
 
 /// The shapes of `forward_wgpu`: lengths around the block sizes, both length orders, batch and
 /// head counts, head dims 64 and 128, and (with `other_head_dim`) 48, not a tensor-core size,
-/// which runs Burn's fallback in bf16/f16 (and costs it an autotune); each plain and causal.
-/// Then the features of `features_wgpu` at tensor-core sizes (see [`common::feature_cases`]).
+/// which runs Burn's fallback in bf16/f16 (and costs it an autotune); then the other tensor-core
+/// head dims ([`common::head_dim_problems`]); each plain and causal. Then the features of
+/// `features_wgpu` at tensor-core sizes (see [`common::feature_cases`]).
 fn small_cases(first_seed: u64, other_head_dim: bool) -> Vec<Case> {
     let problems = [
         Problem::square(1, 1, 1, 64),
@@ -175,6 +181,7 @@ fn small_cases(first_seed: u64, other_head_dim: bool) -> Vec<Case> {
     problems
         .iter()
         .filter(|problem| other_head_dim || matches!(problem.head_dim, 64 | 128))
+        .chain(&common::head_dim_problems())
         .flat_map(|&problem| [false, true].map(|causal| (problem, Spec::from(causal))))
         .chain(common::feature_cases())
         .enumerate()
@@ -206,7 +213,7 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice>>(
 
     let plan = flash_attention_plan(&q, &k, &v, options)
         .map_err(|e| format!("{dtype:?} {case}: refused: {e}"))?;
-    let expect = expected_plan(device, dtype, problem.head_dim);
+    let expect = expected_plan(device, dtype, &problem);
     if !expect.accepts(&plan) {
         return Err(format!(
             "{dtype:?} {case}: plan is {plan}, expected {expect:?}"
@@ -279,8 +286,8 @@ fn small_shapes_bf16() {
     check_all_small::<Cuda<half::bf16>>("small_shapes_bf16", DType::BF16, 1000);
 }
 
-/// f16 tensors on the default `Cuda` backend (f32 default float, the tensors carry f16); head
-/// dims 64 and 128 (bf16 covers the fallback of head dim 48).
+/// f16 tensors on the default `Cuda` backend (f32 default float, the tensors carry f16); every
+/// tensor-core head dim (bf16 also covers the fallback of head dim 48).
 #[test]
 fn small_shapes_f16() {
     check_all_small::<Cuda>("small_shapes_f16", DType::F16, 2000);
@@ -337,7 +344,7 @@ fn check_benchmark_shape(
         .map(|_| Tensor::<B, 4>::random(dims, Distribution::Normal(0.0, 1.0), (device, dtype)));
     let options = FlashAttentionOptions::new().with_causal(causal);
     let plan = flash_attention_plan(&q, &k, &v, options).map_err(|e| format!("{label}: {e}"))?;
-    let expect = expected_plan(device, dtype, head_dim);
+    let expect = expected_plan(device, dtype, &Problem::square(batch, heads, n, head_dim));
     if !expect.accepts(&plan) {
         return Err(format!("{label}: plan is {plan}, expected {expect:?}"));
     }
@@ -444,6 +451,17 @@ fn benchmark_shapes_bf16_d128() {
         DType::BF16,
         128,
         &[512, 1024, 2048, 4096],
+    );
+}
+
+/// FlashAttention-2 benchmark shapes in bf16, head dim 256 (8 heads), n 1024 and 2048.
+#[test]
+fn benchmark_shapes_bf16_d256() {
+    check_benchmark_shapes(
+        "benchmark_shapes_bf16_d256",
+        DType::BF16,
+        256,
+        &[1024, 2048],
     );
 }
 

@@ -51,6 +51,8 @@ pub struct Case {
     pub mask: MaskInput,
     pub bias: Option<BiasInput>,
     pub deterministic: bool,
+    /// Dropout's probability and seed.
+    pub dropout: Option<(f64, u64)>,
 }
 
 impl Case {
@@ -61,6 +63,15 @@ impl Case {
             mask,
             bias,
             deterministic: true,
+            dropout: None,
+        }
+    }
+
+    /// This case with dropout of `prob` seeded by `seed`.
+    pub fn with_dropout(self, prob: f64, seed: u64) -> Self {
+        Self {
+            dropout: Some((prob, seed)),
+            ..self
         }
     }
 }
@@ -174,16 +185,19 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
     burn_flash::testing::poison_outputs(true);
     let p = case.problem;
     let label = format!(
-        "{dtype:?} {p} {} mask {:?} bias {:?} deterministic {} seed {seed}",
-        case.spec, case.mask, case.bias, case.deterministic
+        "{dtype:?} {p} {} mask {:?} bias {:?} dropout {:?} deterministic {} seed {seed}",
+        case.spec, case.mask, case.bias, case.dropout, case.deterministic
     );
     let inputs = Inputs::random(p, dtype, seed);
     let upstream = random_normal(p.out_dims().iter().product(), seed ^ 0xA5, dtype);
     let [q, k, v] = inputs.to_device::<B>(device).map(|t| t.require_grad());
-    let options = case
+    let mut options = case
         .spec
         .options(None)
         .with_deterministic(case.deterministic);
+    if let Some((prob, seed)) = case.dropout {
+        options = options.with_dropout(prob, seed);
+    }
     let plan = flash_attention_plan(&q, &k, &v, options).unwrap();
     let mut failures = Vec::new();
     let expected = match tile {
@@ -230,6 +244,11 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
             .bias
             .zip(bias.as_ref())
             .map(|(input, values)| expand(&p, input.dims, &widen(values))),
+        keep: None,
+    };
+    let extra = match case.dropout {
+        Some((prob, seed)) => extra.with_dropout(&p, prob, seed),
+        None => extra,
     };
     let (q64, k64, v64) = (widen(&inputs.q), widen(&inputs.k), widen(&inputs.v));
     let (reference, _) = reference_attention_scores(&p, &q64, &k64, &v64, case.spec, None, &extra);
@@ -294,7 +313,9 @@ mod wgpu {
     use super::*;
     use burn::backend::wgpu::WgpuDevice;
     use burn::backend::{Autodiff, Wgpu};
-    use burn_flash::{FlashAttentionError, try_flash_attention_masked};
+    use burn_flash::{
+        FlashAttentionError, flash_attention, try_flash_attention, try_flash_attention_masked,
+    };
 
     type B = Autodiff<Wgpu>;
 
@@ -461,6 +482,89 @@ mod wgpu {
         );
     }
 
+    /// Dropout of the probabilities, forward and backward, against the reference given the mask
+    /// of the documented generator (`common::dropout_keeps`): alone (with GQA, a seed using both
+    /// halves, a probability of 0.9), then with a mask, a bias, the causal mask, a window and
+    /// the softcap at once.
+    #[test]
+    fn dropout() {
+        let none = Spec::from(false);
+        check_all(
+            &[
+                Case::new(
+                    Problem::cross(2, 4, 37, 50, 16).grouped(2),
+                    none,
+                    MaskInput::None,
+                    None,
+                )
+                .with_dropout(0.3, 11),
+                Case::new(Problem::square(1, 2, 64, 16), none, MaskInput::None, None)
+                    .with_dropout(0.9, u64::MAX - 5),
+            ],
+            780,
+            Some(TilePath::Portable),
+        );
+        check_all(
+            &[Case::new(
+                Problem::square(3, 2, 36, 16),
+                everything(),
+                MaskInput::KeyPadding,
+                bias([3, 2, 36, 36], true),
+            )
+            .with_dropout(0.5, 1 << 40)],
+            790,
+            Some(TilePath::Portable),
+        );
+    }
+
+    /// The same seed draws the same mask, another seed another one, a probability of 0 is no
+    /// dropout at all (bit for bit); a probability outside `[0, 1)` is refused, and so is
+    /// dropout on inputs only the fallback can run.
+    #[test]
+    fn dropout_seeds_and_refusals() {
+        use burn_flash::FlashAttentionOptions;
+        let device = WgpuDevice::default();
+        let p = Problem::square(1, 2, 40, 16);
+        let inputs = Inputs::random(p, DType::F32, 5);
+        let [q, k, v] = inputs.to_device::<Wgpu>(&device);
+        let run = |options: FlashAttentionOptions| {
+            to_host(flash_attention(q.clone(), k.clone(), v.clone(), options))
+        };
+        let plain = run(FlashAttentionOptions::new());
+        let first = run(FlashAttentionOptions::new().with_dropout(0.5, 3));
+        assert_eq!(
+            first,
+            run(FlashAttentionOptions::new().with_dropout(0.5, 3))
+        );
+        assert_ne!(
+            first,
+            run(FlashAttentionOptions::new().with_dropout(0.5, 4))
+        );
+        assert_ne!(first, plain);
+        assert_eq!(
+            plain,
+            run(FlashAttentionOptions::new().with_dropout(0.0, 3))
+        );
+        for prob in [-0.1, 1.0, f64::NAN] {
+            let options = FlashAttentionOptions::new().with_dropout(prob, 0);
+            let error = try_flash_attention(q.clone(), k.clone(), v.clone(), options).unwrap_err();
+            assert!(
+                matches!(error, FlashAttentionError::InvalidDropout(_)),
+                "{prob}: {error}"
+            );
+        }
+        let wide = Tensor::<Wgpu, 4>::zeros([1, 1, 4, 288], &device);
+        let options = FlashAttentionOptions::new().with_dropout(0.1, 0);
+        let error =
+            try_flash_attention(wide.clone(), wide.clone(), wide.clone(), options).unwrap_err();
+        assert!(
+            matches!(error, FlashAttentionError::DropoutUnsupported(_)),
+            "{error}"
+        );
+        let options = FlashAttentionOptions::new().with_dropout(0.0, 0);
+        assert!(try_flash_attention(wide.clone(), wide.clone(), wide, options).is_ok());
+    }
+
     /// A head dim the fused kernels do not take falls back to Burn's unfused attention with the
     /// same mask and bias semantics, gradients included (0, not NaN, for the bias in rows that
     /// see no key).
@@ -469,7 +573,7 @@ mod wgpu {
         check_all(
             // `features_on_the_fallback`'s shape: lavapipe reuses its matmul kernels.
             &[Case::new(
-                Problem::cross(1, 4, 19, 23, 160).grouped(2),
+                Problem::cross(1, 4, 19, 23, 288).grouped(2),
                 Spec::from(true),
                 MaskInput::Full([1, 1, 19, 23]),
                 Some(BiasInput {
@@ -532,6 +636,58 @@ mod wgpu {
             burn_flash::FlashAttentionOptions::new(),
         );
         assert!(out.is_ok());
+    }
+}
+
+/// The documented dropout generator (which the kernels match exactly, see `wgpu::dropout`)
+/// behaves like independent coins: per head, the kept fraction is within 5σ of the threshold's
+/// probability, and neighbouring keys (which share one hash) and neighbouring queries are
+/// uncorrelated within 5σ; two heads of one seed, and two seeds, draw different masks.
+#[test]
+fn dropout_generator_statistics() {
+    let n = 256;
+    let phi = |pairs: &[(bool, bool)]| {
+        let count = pairs.len() as f64;
+        let mean = |f: &dyn Fn(&(bool, bool)) -> bool| {
+            pairs.iter().filter(|pair| f(pair)).count() as f64 / count
+        };
+        let (a, b, both) = (mean(&|p| p.0), mean(&|p| p.1), mean(&|p| p.0 && p.1));
+        (both - a * b) / (a * (1.0 - a) * b * (1.0 - b)).sqrt()
+    };
+    for (prob, seed) in [(0.1, 0u64), (0.5, 12345), (0.8, u64::MAX)] {
+        let keep_prob = common::dropout_threshold(prob) as f64 / 65536.0;
+        let mut masks = Vec::new();
+        for bh in 0..3 {
+            let mask: Vec<bool> = (0..n * n)
+                .map(|at| common::dropout_keeps(seed, prob, bh, at / n, at % n, n))
+                .collect();
+            let kept = mask.iter().filter(|&&k| k).count() as f64 / (n * n) as f64;
+            let sigma = (keep_prob * (1.0 - keep_prob) / (n * n) as f64).sqrt();
+            assert!(
+                (kept - keep_prob).abs() <= 5.0 * sigma,
+                "p {prob} seed {seed} head {bh}: kept {kept}, expected {keep_prob}"
+            );
+            let keys: Vec<(bool, bool)> = (0..n * n / 2)
+                .map(|pair| (mask[2 * pair], mask[2 * pair + 1]))
+                .collect();
+            let queries: Vec<(bool, bool)> = (0..n * (n - 1))
+                .map(|at| (mask[at], mask[at + n]))
+                .collect();
+            for (what, pairs) in [("keys", keys), ("queries", queries)] {
+                let r = phi(&pairs);
+                let bound = 5.0 / (pairs.len() as f64).sqrt();
+                assert!(
+                    r.abs() <= bound,
+                    "p {prob} seed {seed} head {bh}: neighbouring {what} correlate ({r})"
+                );
+            }
+            masks.push(mask);
+        }
+        assert!(masks[0] != masks[1] && masks[1] != masks[2]);
+        let other: Vec<bool> = (0..n * n)
+            .map(|at| common::dropout_keeps(seed ^ 1, prob, 0, at / n, at % n, n))
+            .collect();
+        assert!(other != masks[0]);
     }
 }
 
@@ -632,6 +788,48 @@ mod cuda {
             neg_inf: false,
             grad: true,
         })
+    }
+
+    /// Dropout on the tensor cores at several head dims, with GQA, causal, the atomic dQ, a
+    /// padding mask and a bias with its gradient; the unfused baseline drops the same pairs.
+    #[test]
+    fn dropout_cuda() {
+        let mut atomic = Case::new(
+            Problem::square(1, 2, 300, 128),
+            Spec::from(false),
+            MaskInput::None,
+            None,
+        )
+        .with_dropout(0.3, 77);
+        atomic.deterministic = false;
+        check_all(
+            "dropout_cuda",
+            &[
+                Case::new(
+                    Problem::cross(2, 4, 130, 200, 64).grouped(2),
+                    Spec::from(true),
+                    MaskInput::None,
+                    None,
+                )
+                .with_dropout(0.1, 5),
+                atomic,
+                Case::new(
+                    Problem::cross(1, 2, 150, 77, 256),
+                    Spec::from(false),
+                    MaskInput::None,
+                    None,
+                )
+                .with_dropout(0.2, u64::MAX),
+                Case::new(
+                    Problem::square(2, 2, 140, 96),
+                    Spec::from(true),
+                    MaskInput::KeyPadding,
+                    bias([1, 2, 140, 140]),
+                )
+                .with_dropout(0.5, 1 << 33),
+            ],
+            850,
+        );
     }
 
     /// Masks at tensor-core head dims, across several 128×64 forward and 64×64 backward blocks.

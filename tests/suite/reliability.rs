@@ -554,9 +554,19 @@ mod cuda {
         for &i in rows {
             let seen = spec.visible(i, seq, seq);
             let q_row = &q[i * d..(i + 1) * d];
-            let (reference, _) =
-                reference_row_keys(&widen(q_row), &k64, &v64, d, &seen, scale, &spec, None);
-            let unfused = unfused_row_keys(q_row, k, v, d, &seen, scale, &spec, None, DType::BF16);
+            let (reference, _) = reference_row_keys(
+                &widen(q_row),
+                &k64,
+                &v64,
+                d,
+                &seen,
+                scale,
+                &spec,
+                None,
+                None,
+            );
+            let unfused =
+                unfused_row_keys(q_row, k, v, d, &seen, scale, &spec, None, None, DType::BF16);
             let at = i * d..(i + 1) * d;
             failures.extend(twice_unfused(
                 &format!("{label} row {i}"),

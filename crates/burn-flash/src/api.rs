@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 use std::sync::Mutex;
 
 use burn::tensor::module::attention_fallback;
+use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, DType, Device, Tensor, TensorData, TensorPrimitive};
 
 use crate::backend::{FlashAttentionBackend, FlashAttentionProblem, ScoreInputs};
@@ -325,7 +326,7 @@ pub fn try_flash_attention_masked<B: FlashAttentionBackend>(
         }
         FlashAttentionPlan::Fallback(reason) => {
             warn_once(&reason);
-            fallback(q, k, v, mask, bias, options)
+            fallback(q, k, v, mask, bias, options, attention_fallback)
         }
         FlashAttentionPlan::Zeros => unreachable!("returned above"),
     })
@@ -433,6 +434,7 @@ fn fallback<B: FlashAttentionBackend>(
     mask: Option<Tensor<B, 4, Bool>>,
     bias: Option<Tensor<B, 4>>,
     mut options: FlashAttentionOptions,
+    op: impl BurnAttention<B>,
 ) -> Tensor<B, 4> {
     let ([batch, heads, seq_q, _], [_, kv_heads, seq_k, _]) = (q.dims(), k.dims());
     let expand = |t: Tensor<B, 4>| {
@@ -472,7 +474,67 @@ fn fallback<B: FlashAttentionBackend>(
         }
         None => (mask, None),
     };
-    attention_fallback(q, expand(k), expand(v), mask, bias, options.into())
+    op(q, expand(k), expand(v), mask, bias, options.into())
+}
+
+/// An attention function with the signature of Burn's `module::attention` and
+/// `module::attention_fallback`.
+pub(crate) trait BurnAttention<B: FlashAttentionBackend>:
+    FnOnce(
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+    Option<Tensor<B, 4, Bool>>,
+    Option<Tensor<B, 4>>,
+    AttentionModuleOptions,
+) -> Tensor<B, 4>
+{
+}
+
+impl<B: FlashAttentionBackend, F> BurnAttention<B> for F where
+    F: FnOnce(
+        Tensor<B, 4>,
+        Tensor<B, 4>,
+        Tensor<B, 4>,
+        Option<Tensor<B, 4, Bool>>,
+        Option<Tensor<B, 4>>,
+        AttentionModuleOptions,
+    ) -> Tensor<B, 4>
+{
+}
+
+/// The function [`flash_attention_masked`] computes, by one of Burn's attention functions
+/// (`op`) given the same inputs and options as the fused kernel (the window and grouped heads
+/// expanded for it): the other kernels of [`nn`](crate::nn).
+///
+/// # Panics
+///
+/// On the inputs [`try_flash_attention_masked`] refuses.
+#[track_caller]
+pub(crate) fn burn_attention<B: FlashAttentionBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Option<AttentionMask<B>>,
+    bias: Option<Tensor<B, 4>>,
+    options: FlashAttentionOptions,
+    op: impl BurnAttention<B>,
+) -> Tensor<B, 4> {
+    let checked = || -> Result<_, FlashAttentionError> {
+        let Plan { problem, scale, .. } = plan(&q, &k, &v, options)?;
+        let device = q.device();
+        let mask = mask
+            .map(|mask| validate_mask(mask, &problem, &device))
+            .transpose()?;
+        if let Some(bias) = &bias {
+            validate_bias(bias, &problem, &device)?;
+        }
+        Ok((mask, options.with_scale(scale)))
+    };
+    match checked() {
+        Ok((mask, options)) => fallback(q, k, v, mask, bias, options, op),
+        Err(error) => panic!("{error}"),
+    }
 }
 
 /// A validated call: the problem the backend sees, the resolved scale and the path.
@@ -499,6 +561,11 @@ fn plan<B: FlashAttentionBackend>(
             options.softcap.unwrap_or_default(),
         ));
     }
+    if let Some(dropout) = options.dropout
+        && !(dropout.prob.is_finite() && (0.0..1.0).contains(&dropout.prob))
+    {
+        return Err(FlashAttentionError::InvalidDropout(dropout.prob));
+    }
     let mut problem =
         FlashAttentionProblem::new(q.dims(), k.dims(), v.dims(), dtype, options.causal);
     let mut scale = options.scale_for(problem.head_dim);
@@ -519,6 +586,9 @@ fn plan<B: FlashAttentionBackend>(
 
     let route = match B::flash_attention_support(&q.device(), &problem) {
         Ok(tile) => FlashAttentionPlan::Fused(tile),
+        Err(reason) if options.dropout.is_some_and(|d| d.is_active()) => {
+            return Err(FlashAttentionError::DropoutUnsupported(reason));
+        }
         Err(reason) => FlashAttentionPlan::Fallback(reason),
     };
     Ok(Plan {

@@ -85,6 +85,11 @@ pub enum FlashAttentionError {
     InvalidScale(f64),
     /// The softcap is not finite and positive.
     InvalidSoftcap(f64),
+    /// The dropout probability is not in `[0, 1)`.
+    InvalidDropout(f64),
+    /// Dropout was asked for on inputs the fused kernels cannot run (the reason); Burn's unfused
+    /// attention, the fallback, has no dropout.
+    DropoutUnsupported(String),
     /// The mask is not `[batch|1, seq_k]` (key padding) or `[batch|1, heads|1, seq_q|1, seq_k]`.
     MaskShape {
         /// The shapes it may have.
@@ -155,6 +160,13 @@ impl fmt::Display for FlashAttentionError {
             Self::InvalidSoftcap(cap) => {
                 write!(f, "the softcap must be finite and positive, got {cap}")
             }
+            Self::InvalidDropout(prob) => {
+                write!(f, "the dropout probability must be in [0, 1), got {prob}")
+            }
+            Self::DropoutUnsupported(reason) => write!(
+                f,
+                "dropout needs the fused kernels, which cannot run these inputs: {reason}"
+            ),
             Self::MaskShape { expected, got } => {
                 write!(f, "the mask must be {expected}, got {got:?}")
             }

@@ -3,7 +3,7 @@
 use burn::tensor::ops::AttentionModuleOptions;
 
 /// Options of [`flash_attention`](crate::flash_attention): causal masking, sliding window, the
-/// softmax scale, the softcap, and whether the backward must be deterministic.
+/// softmax scale, the softcap, dropout, and whether the backward must be deterministic.
 ///
 /// The conventions are those of Burn's `burn::tensor::module::attention`:
 ///
@@ -19,6 +19,11 @@ use burn::tensor::ops::AttentionModuleOptions;
 ///   [`AttentionWindow`]. Combined with `causal`, the band ends at the diagonal.
 /// - `softcap`: scores become `softcap · tanh(scale · q·k / softcap)` before the softmax
 ///   (Gemma-2), as Burn's `AttentionModuleOptions::softcap`. It must be finite and positive.
+/// - `dropout`: each attention probability is zeroed with probability `prob` and the kept ones
+///   are scaled by `1 / (1 − prob)`, after the softmax (the normaliser and the saved
+///   log-sum-exp are those of the whole row), as PyTorch's and FlashAttention's dropout. The
+///   decisions come from a counter-based generator seeded by `seed`: the same seed gives the
+///   same mask, the backward regenerates it, and nothing is stored. See [`AttentionDropout`].
 /// - `deterministic` (default `true`): the fused backward computes dQ in its own pass, so
 ///   repeated runs give identical bits. `false` selects FlashAttention-2's scheme instead, each
 ///   key block adding its share of dQ with f32 atomics (tensor-core tile only; runtimes
@@ -26,8 +31,9 @@ use burn::tensor::ops::AttentionModuleOptions;
 ///   slower today (forward+backward 147 against 205 TFLOPS at d 128, n 8192:
 ///   `docs/perf-notes.md`), hence the default.
 ///
-/// The default is not causal, no window, the default scale, no softcap, deterministic dQ. The type may gain fields:
-/// build it with [`new`](Self::new) or [`causal`](Self::causal) and the `with_*` methods.
+/// The default is not causal, no window, the default scale, no softcap, no dropout,
+/// deterministic dQ. The type may gain fields: build it with [`new`](Self::new) or
+/// [`causal`](Self::causal) and the `with_*` methods.
 ///
 /// # Example
 ///
@@ -50,6 +56,8 @@ pub struct FlashAttentionOptions {
     pub window: Option<AttentionWindow>,
     /// Cap the scaled scores at `±softcap` through `softcap · tanh(s / softcap)`; `None`: no cap.
     pub softcap: Option<f64>,
+    /// Drop attention probabilities; `None` (or a probability of 0): no dropout.
+    pub dropout: Option<AttentionDropout>,
     /// The backward sums dQ in its own launch in a fixed order (`true`, the default) or by
     /// f32 atomics from the key-block launch (`false`).
     pub deterministic: bool,
@@ -62,8 +70,71 @@ impl Default for FlashAttentionOptions {
             scale: None,
             window: None,
             softcap: None,
+            dropout: None,
             deterministic: true,
         }
+    }
+}
+
+/// Dropout of the attention probabilities: each (batch, head, query, key) probability is zeroed
+/// with probability `prob`, and kept ones are scaled so that every output is unbiased.
+///
+/// The decisions are a pure function of `seed` and the position, computed where each
+/// probability is formed (forward and backward alike; nothing is stored): a keyed 32-bit
+/// integer hash of the position gives 16 random bits per pair, compared with
+/// [`keep_threshold`](Self::keep_threshold). The keep probability is therefore `prob` rounded
+/// to a multiple of 2⁻¹⁶, and kept probabilities are scaled by its inverse. Within one head the
+/// random bits never repeat while `seq_q · ⌈seq_k / 2⌉ ≤ 2³²` (e.g. 65536 × 131072); beyond it
+/// they wrap. The exact formula is in `docs/features.md`.
+///
+/// Use a new seed for every call that should draw a new mask (every training step, every
+/// layer); [`FlashMultiHeadAttention`](crate::nn::FlashMultiHeadAttention) does.
+///
+/// # Example
+///
+/// ```
+/// use burn_flash::{AttentionDropout, FlashAttentionOptions};
+///
+/// let options = FlashAttentionOptions::causal().with_dropout(0.1, 42);
+/// assert_eq!(options.dropout, Some(AttentionDropout { prob: 0.1, seed: 42 }));
+/// assert_eq!(AttentionDropout { prob: 0.1, seed: 42 }.keep_threshold(), 58982);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionDropout {
+    /// Probability of zeroing each attention probability, in `[0, 1)`.
+    pub prob: f64,
+    /// Seed of the mask.
+    pub seed: u64,
+}
+
+impl AttentionDropout {
+    /// Kept pairs are those whose 16 random bits are below this: `round((1 − prob) · 2¹⁶)`, at
+    /// least 1.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::AttentionDropout;
+    ///
+    /// assert_eq!(AttentionDropout { prob: 0.5, seed: 0 }.keep_threshold(), 32768);
+    /// assert_eq!(AttentionDropout { prob: 0.0, seed: 0 }.keep_threshold(), 65536);
+    /// ```
+    pub fn keep_threshold(&self) -> u32 {
+        (((1.0 - self.prob) * 65536.0).round() as u32).clamp(1, 1 << 16)
+    }
+
+    /// Whether any probability can be dropped (`prob > 0` after rounding to 2⁻¹⁶).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::AttentionDropout;
+    ///
+    /// assert!(AttentionDropout { prob: 0.1, seed: 0 }.is_active());
+    /// assert!(!AttentionDropout { prob: 0.0, seed: 0 }.is_active());
+    /// ```
+    pub fn is_active(&self) -> bool {
+        self.keep_threshold() < 1 << 16
     }
 }
 
@@ -232,6 +303,22 @@ impl FlashAttentionOptions {
     /// ```
     pub fn with_softcap(mut self, softcap: f64) -> Self {
         self.softcap = Some(softcap);
+        self
+    }
+
+    /// These options with dropout of probability `prob` (in `[0, 1)`, checked when the attention
+    /// runs) drawn from `seed`; see [`AttentionDropout`].
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::FlashAttentionOptions;
+    ///
+    /// let options = FlashAttentionOptions::new().with_dropout(0.1, 7);
+    /// assert_eq!(options.dropout.unwrap().prob, 0.1);
+    /// ```
+    pub fn with_dropout(mut self, prob: f64, seed: u64) -> Self {
+        self.dropout = Some(AttentionDropout { prob, seed });
         self
     }
 

@@ -27,8 +27,8 @@ pub fn cuda_device(test: &str) -> Option<CudaDevice> {
 }
 
 /// Whether this device has what the tensor-core tile needs for `dtype` (m16n8k16 MMA with f32
-/// accumulation, asynchronous copies: SM80 and newer). On such a device, bf16/f16 with head dim
-/// 64 or 128 must run on the tensor cores.
+/// accumulation, asynchronous copies: SM80 and newer). On such a device, bf16/f16 with head dims
+/// 32, 64, 96, 128 or 256 must run on the tensor cores.
 pub fn has_tensor_cores(device: &CudaDevice, dtype: DType) -> bool {
     use cubecl::Runtime;
     use cubecl::features::MmaConfig;

@@ -48,6 +48,11 @@ impl Problem {
         }
     }
 
+    /// These sizes with values `value_dim` wide.
+    pub fn with_value_dim(self, value_dim: usize) -> Self {
+        Self { value_dim, ..self }
+    }
+
     /// These sizes with `kv_heads` key/value heads (grouped-query attention).
     pub fn grouped(self, kv_heads: usize) -> Self {
         assert!(self.heads.is_multiple_of(kv_heads));
@@ -181,12 +186,76 @@ impl core::fmt::Display for Spec {
 }
 
 /// The per-score inputs of a call as the reference sees them, expanded to
-/// `[batch, heads, seq_q, seq_k]` row-major: the pairs a boolean mask hides, and an additive
-/// bias (added after the scale and the softcap). `Default` is neither.
+/// `[batch, heads, seq_q, seq_k]` row-major: the pairs a boolean mask hides, an additive bias
+/// (added after the scale and the softcap), and dropout's factor of each probability (0 or the
+/// rescale, applied after the softmax). `Default` is none of them.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Scores {
     pub hidden: Option<Vec<bool>>,
     pub bias: Option<Vec<f64>>,
+    pub keep: Option<Vec<f64>>,
+}
+
+/// `lowbias32` (C. Wellons), as `docs/features.md` specifies dropout's generator.
+fn lowbias32(value: u32) -> u32 {
+    let mut x = value;
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
+}
+
+/// Dropout's keep threshold out of 2¹⁶ for probability `prob`, as documented.
+pub fn dropout_threshold(prob: f64) -> u32 {
+    (((1.0 - prob) * 65536.0).round() as u32).clamp(1, 1 << 16)
+}
+
+/// Whether dropout of `prob` seeded by `seed` keeps query `i`, key `j` of flattened head `bh`
+/// (`batch · heads + head`) over `seq_k` keys: the documented formula, written here from
+/// `docs/features.md`.
+pub fn dropout_keeps(seed: u64, prob: f64, bh: usize, i: usize, j: usize, seq_k: usize) -> bool {
+    let (lo, hi) = (seed as u32, (seed >> 32) as u32);
+    let head_key = lowbias32(lo ^ lowbias32(hi ^ lowbias32(bh as u32)));
+    let counter = (i as u32)
+        .wrapping_mul(seq_k.div_ceil(2) as u32)
+        .wrapping_add((j / 2) as u32);
+    let bits = lowbias32(counter ^ head_key);
+    let half = if j.is_multiple_of(2) {
+        bits & 0xFFFF
+    } else {
+        bits >> 16
+    };
+    half < dropout_threshold(prob)
+}
+
+impl Scores {
+    /// These inputs with dropout of `prob` seeded by `seed`: factor 0 for dropped pairs,
+    /// `2¹⁶ / threshold` for kept ones.
+    pub fn with_dropout(self, p: &Problem, prob: f64, seed: u64) -> Self {
+        let scale = 65536.0 / dropout_threshold(prob) as f64;
+        let (sq, sk) = (p.seq_q, p.seq_k);
+        let keep = (0..p.batch * p.heads * sq * sk)
+            .map(|at| {
+                let (bh, i, j) = (at / (sq * sk), at / sk % sq, at % sk);
+                if dropout_keeps(seed, prob, bh, i, j, sk) {
+                    scale
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        Self {
+            keep: Some(keep),
+            ..self
+        }
+    }
+
+    /// Dropout's factors of query `i` of `bh`, indexed by key, if there is dropout.
+    pub fn keep_row(&self, p: &Problem, bh: usize, i: usize) -> Option<&[f64]> {
+        let row = (bh * p.seq_q + i) * p.seq_k;
+        self.keep.as_deref().map(|keep| &keep[row..row + p.seq_k])
+    }
 }
 
 impl Scores {
@@ -204,6 +273,23 @@ impl Scores {
         let row = (bh * p.seq_q + i) * p.seq_k;
         self.bias.as_deref().map(|bias| &bias[row..row + p.seq_k])
     }
+}
+
+/// Head dims the tensor-core tile serves besides 64 and 128 (32, 96, 256, with rows stored
+/// padded in shared memory and, at 256, narrower blocks), and values of another width than
+/// queries and keys; lengths that cross several blocks and end mid-block.
+pub fn head_dim_problems() -> Vec<Problem> {
+    vec![
+        Problem::cross(1, 2, 65, 130, 32),
+        Problem::square(2, 1, 200, 32),
+        Problem::cross(1, 2, 130, 65, 96),
+        Problem::square(1, 1, 200, 96).grouped(1),
+        Problem::cross(1, 2, 65, 200, 256),
+        Problem::cross(1, 4, 150, 77, 256).grouped(2),
+        Problem::cross(1, 2, 70, 90, 64).with_value_dim(128),
+        Problem::cross(1, 2, 90, 70, 128).with_value_dim(64),
+        Problem::square(1, 1, 100, 96).with_value_dim(32),
+    ]
 }
 
 /// The feature cases the CUDA suites run at tensor-core head dims (the lavapipe suite,
@@ -277,11 +363,13 @@ pub fn reference_row(
         scale,
         &Spec::default(),
         None,
+        None,
     )
 }
 
-/// [`reference_row`] over the keys `seen`, with `spec`'s softcap and a bias row (indexed by key)
-/// added to the capped scores.
+/// [`reference_row`] over the keys `seen`, with `spec`'s softcap, a bias row (indexed by key)
+/// added to the capped scores, and dropout's factors (indexed by key) applied to the
+/// probabilities (the normaliser and the log-sum-exp are those of the whole row).
 #[allow(clippy::too_many_arguments)]
 pub fn reference_row_keys(
     q_row: &[f64],
@@ -292,6 +380,7 @@ pub fn reference_row_keys(
     scale: f64,
     spec: &Spec,
     bias: Option<&[f64]>,
+    keep: Option<&[f64]>,
 ) -> (Vec<f64>, f64) {
     let head_dim = q_row.len();
     let mut out = vec![0.0; value_dim];
@@ -316,6 +405,7 @@ pub fn reference_row_keys(
     let sum: f64 = weights.iter().sum();
     for (&j, w) in seen.iter().zip(&weights) {
         let value = &values[j * value_dim..(j + 1) * value_dim];
+        let w = w * keep.map_or(1.0, |keep| keep[j]);
         for (o, x) in out.iter_mut().zip(value) {
             *o += w * x;
         }
@@ -374,6 +464,7 @@ pub fn reference_attention_scores(
                 scale,
                 &spec,
                 extra.bias_row(p, bh, i),
+                extra.keep_row(p, bh, i),
             );
             out.extend(row);
             lse.push(row_lse);
@@ -643,13 +734,15 @@ pub fn unfused_row(
         scale,
         &Spec::default(),
         None,
+        None,
         dtype,
     )
 }
 
 /// [`unfused_row`] over the keys `seen`, with `spec`'s softcap computed as Burn's fallback does
-/// (divide, `tanh`, multiply, each rounded) and a bias row (indexed by key, in the dtype) added
-/// to the capped scores, rounded as Burn's fallback adds it.
+/// (divide, `tanh`, multiply, each rounded), a bias row (indexed by key, in the dtype) added
+/// to the capped scores, rounded as Burn's fallback adds it, and dropout's factors applied to
+/// the rounded probabilities (as a dropout after the softmax, rounded).
 #[allow(clippy::too_many_arguments)]
 pub fn unfused_row_keys(
     q_row: &[f32],
@@ -660,6 +753,7 @@ pub fn unfused_row_keys(
     scale: f64,
     spec: &Spec,
     bias: Option<&[f64]>,
+    keep: Option<&[f64]>,
     dtype: DType,
 ) -> Vec<f64> {
     let head_dim = q_row.len();
@@ -679,7 +773,11 @@ pub fn unfused_row_keys(
     if scores.iter().all(|&s| s == f32::NEG_INFINITY) {
         return vec![0.0; value_dim];
     }
-    let probs = rounded_softmax(&scores, dtype);
+    let probs: Vec<f32> = rounded_softmax(&scores, dtype)
+        .iter()
+        .zip(seen)
+        .map(|(&p, &j)| keep.map_or(p, |keep| round(p * keep[j] as f32)))
+        .collect();
     (0..value_dim)
         .map(|c| {
             let acc = seen
@@ -736,6 +834,7 @@ pub fn unfused_attention_scores(
                 scale,
                 &spec,
                 extra.bias_row(p, bh, i),
+                extra.keep_row(p, bh, i),
                 inputs.dtype,
             ));
         }
@@ -854,6 +953,7 @@ pub fn reference_grads_scores(
         for i in 0..sq {
             let seen = extra.seen(p, &spec, bh, i);
             let bias = extra.bias_row(p, bh, i);
+            let keep = extra.keep_row(p, bh, i);
             let q_row = &q[qo + i * d..qo + (i + 1) * d];
             let g_row = &grad_out[go + i * dv..go + (i + 1) * dv];
             let (scores, slopes): (Vec<f64>, Vec<f64>) = seen
@@ -872,11 +972,17 @@ pub fn reference_grads_scores(
             let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let sum: f64 = weights.iter().sum();
             let probs: Vec<f64> = weights.iter().map(|w| w / sum).collect();
+            // The factor of each seen key's probability (dropout), and dP through it.
+            let factor: Vec<f64> = seen
+                .iter()
+                .map(|&j| keep.map_or(1.0, |keep| keep[j]))
+                .collect();
             let dp: Vec<f64> = seen
                 .iter()
-                .map(|&j| {
+                .zip(&factor)
+                .map(|(&j, m)| {
                     let value = &v[vo + j * dv..vo + (j + 1) * dv];
-                    g_row.iter().zip(value).map(|(a, b)| a * b).sum::<f64>()
+                    m * g_row.iter().zip(value).map(|(a, b)| a * b).sum::<f64>()
                 })
                 .collect();
             let row_dot: f64 = probs.iter().zip(&dp).map(|(a, b)| a * b).sum();
@@ -888,7 +994,7 @@ pub fn reference_grads_scores(
                     dk[ko + j * d + c] += scale * ds * q_row[c];
                 }
                 for c in 0..dv {
-                    dvs[vo + j * dv + c] += probs[n] * g_row[c];
+                    dvs[vo + j * dv + c] += probs[n] * factor[n] * g_row[c];
                 }
             }
         }
@@ -946,6 +1052,7 @@ pub fn unfused_grads_scores(
         for i in 0..sq {
             let seen = extra.seen(p, &spec, bh, i);
             let bias = extra.bias_row(p, bh, i);
+            let keep = extra.keep_row(p, bh, i);
             let q_row = &q[i * d..(i + 1) * d];
             let raw: Vec<f32> = seen
                 .iter()
@@ -964,13 +1071,15 @@ pub fn unfused_grads_scores(
             }
             let row = rounded_softmax(&scores, dtype);
             let g_row = &g[i * dv..(i + 1) * dv];
+            // Through dropout: dP of the probabilities is dP of the dropped ones times the factor.
+            let factor = |j: usize| keep.map_or(1.0, |keep| keep[j] as f32);
             let dp: Vec<f32> = seen
                 .iter()
-                .map(|&j| round(dot(g_row, &v[j * dv..(j + 1) * dv])))
+                .map(|&j| round(round(dot(g_row, &v[j * dv..(j + 1) * dv])) * factor(j)))
                 .collect();
             let row_dot = round(row.iter().zip(&dp).map(|(a, b)| round(a * b)).sum::<f32>());
             for (n, &j) in seen.iter().enumerate() {
-                probs[i * sk + j] = row[n];
+                probs[i * sk + j] = round(row[n] * factor(j));
                 let mut grad = round(row[n] * round(dp[n] - row_dot));
                 dbias[(bh * sq + i) * sk + j] = grad;
                 if let Some(cap) = spec.softcap {

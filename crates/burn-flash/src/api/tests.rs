@@ -129,9 +129,9 @@ fn lse_is_f32_and_shaped_per_row() {
 fn unsupported_head_dim_falls_back() {
     let device = WgpuDevice::default();
     let (q, k, v) = (
-        random::<Wgpu>([1, 1, 4, 160], &device),
-        random::<Wgpu>([1, 1, 6, 160], &device),
-        random::<Wgpu>([1, 1, 6, 160], &device),
+        random::<Wgpu>([1, 1, 4, 288], &device),
+        random::<Wgpu>([1, 1, 6, 288], &device),
+        random::<Wgpu>([1, 1, 6, 288], &device),
     );
     let options = FlashAttentionOptions::causal();
     let plan = flash_attention_plan(&q, &k, &v, options).unwrap();

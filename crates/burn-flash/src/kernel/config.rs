@@ -52,6 +52,8 @@ pub struct TileConfig {
     pub bias_grad: bool,
     /// Scores pass through `softcap · tanh(s / softcap)` before the softmax.
     pub softcap: bool,
+    /// Probabilities are dropped and the kept ones rescaled ([`dropout`](super::dropout)).
+    pub dropout: bool,
     /// The dK/dV launch also adds each staged query block's dQ with f32 atomics (and needs a
     /// `block_q × block_kv` scratch tile on the tensor-core tile to transpose dS).
     pub atomic_dq: bool,
@@ -95,18 +97,20 @@ impl TileConfig {
             bias: false,
             bias_grad: false,
             softcap: false,
+            dropout: false,
             atomic_dq: false,
         }
     }
 
-    /// Portable FMAs: one unit per query row; small KV stages fit 32 KiB of shared memory in f32.
+    /// Portable FMAs: one unit per query row; small KV stages fit 32 KiB of shared memory in f32
+    /// (8 rows where heads are wider than 128).
     pub fn portable(head_dim: usize, value_dim: usize) -> Self {
         Self {
             tile: TilePath::Portable,
             head_dim,
             value_dim,
             block_q: 32,
-            block_kv: 16,
+            block_kv: if head_dim.max(value_dim) > 128 { 8 } else { 16 },
             planes: 1,
             plane_rows: 1,
             query_in_smem: false,
@@ -114,6 +118,7 @@ impl TileConfig {
             bias: false,
             bias_grad: false,
             softcap: false,
+            dropout: false,
             atomic_dq: false,
         }
     }
@@ -124,6 +129,7 @@ impl TileConfig {
             mask: params.mask,
             bias: params.bias,
             softcap: params.softcap.is_some(),
+            dropout: params.dropout.is_some(),
             ..self
         }
     }
@@ -230,6 +236,27 @@ impl TileConfig {
         }
     }
 
+    /// Elements between consecutive rows of a staged block `width` wide. The swizzle moves a
+    /// 16-byte chunk within its group of eight, so swizzled rows span whole groups: head dims 32
+    /// and 96 are stored 64 and 128 wide (their extra chunks are never read).
+    pub fn stride(&self, width: usize) -> usize {
+        if self.swizzle() {
+            width.div_ceil(8 * CHUNK) * 8 * CHUNK
+        } else {
+            width
+        }
+    }
+
+    /// [`stride`](Self::stride) of the score product's rows (queries and keys).
+    pub fn head_stride(&self) -> usize {
+        self.stride(self.head_dim)
+    }
+
+    /// [`stride`](Self::stride) of the second product's rows (values).
+    pub fn value_stride(&self) -> usize {
+        self.stride(self.value_dim)
+    }
+
     /// Bytes of shared memory one cube uses.
     pub fn shared_bytes(&self, elem_size: usize) -> usize {
         let stages = match self.tile {
@@ -237,11 +264,11 @@ impl TileConfig {
             TilePath::Portable => 1,
         };
         let query = if self.tile == TilePath::TensorCore {
-            self.block_q * self.head_dim
+            self.block_q * self.head_stride()
         } else {
             0
         };
-        (query + stages * self.block_kv * (self.head_dim + self.value_dim)) * elem_size
+        (query + stages * self.block_kv * (self.head_stride() + self.value_stride())) * elem_size
     }
 
     /// Bytes of shared memory one backward cube uses: the forward's, plus the second owned
@@ -249,7 +276,7 @@ impl TileConfig {
     /// transpose scratch of the atomic dQ.
     pub fn backward_shared_bytes(&self, elem_size: usize) -> usize {
         let second = if self.tile == TilePath::TensorCore {
-            self.block_q * self.value_dim
+            self.block_q * self.value_stride()
         } else {
             0
         };
@@ -272,8 +299,8 @@ impl TileConfig {
 }
 
 /// Runtime values of one call's score transform: the kernels specialise on `mask`, on `bias` and
-/// on whether `softcap` is set, and take the numbers (and the mask and bias tensors) as
-/// arguments.
+/// on whether `softcap` and `dropout` are set, and take the numbers (and the mask and bias
+/// tensors) as arguments.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ScoreParams {
     /// Factor of `Q·Kᵀ`.
@@ -288,6 +315,16 @@ pub struct ScoreParams {
     pub right: u32,
     /// The softcap, if any.
     pub softcap: Option<f32>,
+    /// Dropout of the probabilities, if any.
+    pub dropout: Option<DropoutParams>,
+}
+
+/// The launch arguments of dropout: the seed's halves and the keep threshold out of 2¹⁶.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DropoutParams {
+    pub seed_lo: u32,
+    pub seed_hi: u32,
+    pub threshold: u32,
 }
 
 impl ScoreParams {
@@ -324,6 +361,14 @@ impl ScoreParams {
             left: offset(left),
             right: offset(right),
             softcap: options.softcap.map(|cap| cap as f32),
+            dropout: options
+                .dropout
+                .filter(|d| d.is_active())
+                .map(|d| DropoutParams {
+                    seed_lo: d.seed as u32,
+                    seed_hi: (d.seed >> 32) as u32,
+                    threshold: d.keep_threshold(),
+                }),
         }
     }
 
@@ -334,5 +379,20 @@ impl ScoreParams {
         self.mask.per_key = mask_dims.is_some_and(|dims| dims[2] == 1);
         self.bias = bias;
         self
+    }
+
+    /// Dropout's launch arguments; any valid values when there is no dropout (the kernels then
+    /// never read them).
+    pub fn dropout_args(&self) -> (u32, u32, u32) {
+        let DropoutParams {
+            seed_lo,
+            seed_hi,
+            threshold,
+        } = self.dropout.unwrap_or(DropoutParams {
+            seed_lo: 0,
+            seed_hi: 0,
+            threshold: 1 << 16,
+        });
+        (seed_lo, seed_hi, threshold)
     }
 }

@@ -2,12 +2,15 @@
 //! query block once, walks the KV blocks its band lets it see (from the sliding window's left
 //! edge to the causal diagonal), and writes the normalised output and the per-row log-sum-exp.
 //! Grouped-query attention reads the key/value head `head / group` of its query head. A mask or
-//! bias input is read where each score register sits ([`inputs`](super::inputs)).
+//! bias input is read where each score register sits ([`inputs`](super::inputs)); dropout drops
+//! probabilities after the softmax statistics saw them, so the normaliser and the log-sum-exp
+//! are those of the full row.
 
 use cubecl::prelude::*;
 
 use super::TilePath;
 use super::config::TileConfig;
+use super::dropout::{Dropout, keep_mask};
 use super::inputs::{Views, add_bias};
 use super::mask::{Band, apply_mask, kv_blocks};
 use super::softmax::{RowStats, Softcap, finish, init_stats, online_update, softcap_scores};
@@ -25,6 +28,9 @@ struct Coords {
     softcap: Softcap,
     /// Where this (batch, head) reads the mask and bias inputs.
     views: Views,
+    batch: usize,
+    head: usize,
+    dropout: Dropout,
     inv_scale: f32,
     /// `-inf`, passed in because WGSL has no literal for it.
     neg_inf: f32,
@@ -49,6 +55,9 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     band_right: u32,
     softcap: f32,
     neg_inf: f32,
+    dropout_seed_lo: u32,
+    dropout_seed_hi: u32,
+    dropout_threshold: u32,
     #[comptime] cfg: TileConfig,
     #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
@@ -63,6 +72,15 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         band: Band::new(q, k, band_left, band_right),
         softcap: Softcap::new(scale, softcap),
         views: Views::new::<E, M>(mask, bias, batch, head),
+        batch,
+        head,
+        dropout: Dropout::new(
+            dropout_seed_lo,
+            dropout_seed_hi,
+            dropout_threshold,
+            q.shape(1),
+            k.shape(2),
+        ),
         inv_scale: 1.0 / scale,
         neg_inf,
     };
@@ -85,7 +103,13 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         );
     }
 
-    let (inv_sum, row_lse) = finish::<E, T>(&stats, scale, neg_inf, cfg);
+    let (mut inv_sum, row_lse) = finish::<E, T>(&stats, scale, neg_inf, cfg);
+    if comptime!(cfg.dropout) {
+        #[unroll]
+        for slot in 0..cfg.rows_per_unit() {
+            inv_sum[slot] *= coords.dropout.scale;
+        }
+    }
     let out_base = batch * out.stride(0) + head * out.stride(1);
     #[unroll]
     for reg in 0..cfg.out_regs() {
@@ -126,7 +150,7 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     acc: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
 ) {
-    let mut scores = T::scores(query, keys, stage * cfg.block_kv * cfg.head_dim, cfg);
+    let mut scores = T::scores(query, keys, stage * cfg.block_kv * cfg.head_stride(), cfg);
     if comptime!(cfg.softcap) {
         softcap_scores(&mut scores, coords.softcap, cfg.score_regs());
     }
@@ -152,10 +176,25 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
         cfg,
     );
     online_update::<E, T>(&mut scores, stats, acc, scale, coords.neg_inf, cfg);
+    if comptime!(cfg.dropout) {
+        let keep = keep_mask::<E, T>(
+            &coords.dropout,
+            coords.batch,
+            coords.head,
+            coords.q_start,
+            kv_start,
+            false,
+            cfg,
+        );
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            scores[reg] = select(keep[reg], scores[reg], 0.0);
+        }
+    }
     T::accumulate(
         &scores,
         values,
-        stage * cfg.block_kv * cfg.value_dim,
+        stage * cfg.block_kv * cfg.value_stride(),
         acc,
         cfg,
     );
@@ -181,9 +220,9 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
 ) {
     let mut keys =
-        SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.head_dim), 16usize);
+        SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.head_stride()), 16usize);
     let mut values =
-        SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.value_dim), 16usize);
+        SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.value_stride()), 16usize);
     let barriers = StageBarriers::new();
     sync_cube();
 

@@ -10,12 +10,16 @@ use cubecl::features::{MmaConfig, Plane};
 use cubecl::prelude::*;
 
 use super::TilePath;
-use super::config::{CHUNK, ScoreParams, TileConfig};
+use super::config::{ScoreParams, TileConfig};
 use super::forward::flash_forward;
 use super::tile::{MmaTile, PortableTile};
 
 /// Largest head dim the portable tile unrolls (its query and output rows live in registers).
-const PORTABLE_MAX_DIM: usize = 128;
+const PORTABLE_MAX_DIM: usize = 256;
+
+/// Head dims of queries/keys and of values the tensor-core tile is built for: its score product
+/// takes 32 columns per step of its loop, and its blocks are tuned per head dim.
+pub(crate) const TENSOR_CORE_DIMS: [usize; 5] = [32, 64, 96, 128, 256];
 
 /// Decide whether the fused forward can run inputs of this dtype and head dims on this client,
 /// and with which tile. `Err` carries the reason the caller logs before taking the fallback.
@@ -65,9 +69,9 @@ pub(crate) fn usable_tile<R: CubeRuntime>(
         && props.hardware.plane_size_min == 32
         && props.hardware.plane_size_max == 32;
     if dtype != DType::F32 && has_tensor_cores {
-        if head_dim != value_dim || !matches!(head_dim, 64 | 128) {
+        if !TENSOR_CORE_DIMS.contains(&head_dim) || !TENSOR_CORE_DIMS.contains(&value_dim) {
             return Err(format!(
-                "the tensor-core kernel supports head dims 64 and 128 (q/k {head_dim}, v {value_dim})"
+                "the tensor-core kernel supports head dims {TENSOR_CORE_DIMS:?} (q/k {head_dim}, v {value_dim})"
             ));
         }
         return Ok(TilePath::TensorCore);
@@ -130,32 +134,21 @@ pub(crate) fn shape_override(name: &str) -> Option<(usize, usize, usize)> {
     }
 }
 
-/// Each unit issues the same number of 16-byte copies per stage (owned blocks included): the
-/// units cover whole rows per pass and the passes divide every block.
-pub(crate) fn check_copy_split(cfg: &TileConfig) {
-    for (rows, width) in [
-        (cfg.block_q, cfg.head_dim),
-        (cfg.block_q, cfg.value_dim),
-        (cfg.block_kv, cfg.head_dim),
-        (cfg.block_kv, cfg.value_dim),
-    ] {
-        let chunks_per_row = width / CHUNK;
-        assert_eq!(cfg.units() % chunks_per_row, 0, "{cfg:?}");
-        assert_eq!(rows % (cfg.units() / chunks_per_row), 0, "{cfg:?}");
-    }
-}
-
-/// Block shapes of the tensor-core forward: 4 planes of 32 query rows (128-row query blocks)
-/// over 64-key stages, the shape measured fastest on the H100 at head dims 64 and 128
-/// (`docs/perf-notes.md`). `BURN_FLASH_TC_SHAPE=planes,plane_rows,block_kv` overrides
-/// them for tuning runs.
+/// Block shapes of the tensor-core forward. Up to head dim 128: 4 planes of 32 query rows
+/// (128-row query blocks) over 64-key stages, the shape measured fastest on the H100 at head
+/// dims 64 and 128 (`docs/perf-notes.md`). Wider heads: 8 planes of 16 rows, so that each unit's
+/// output accumulators (16 rows × the value dim per plane) stay at 128 registers.
+/// `BURN_FLASH_TC_SHAPE=planes,plane_rows,block_kv` overrides them for tuning runs.
 fn tensor_core_config(head_dim: usize, value_dim: usize) -> TileConfig {
     static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
     let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_TC_SHAPE"));
-    let (planes, plane_rows, block_kv) = shape.unwrap_or((4, 32, 64));
-    let cfg = TileConfig::tensor_core(head_dim, value_dim, planes, plane_rows, block_kv);
-    check_copy_split(&cfg);
-    cfg
+    let default = if head_dim.max(value_dim) > 128 {
+        (8, 16, 64)
+    } else {
+        (4, 32, 64)
+    };
+    let (planes, plane_rows, block_kv) = shape.unwrap_or(default);
+    TileConfig::tensor_core(head_dim, value_dim, planes, plane_rows, block_kv)
 }
 
 /// Run the fused forward. `q: [b, h, sq, d]`, `k: [b, hkv, sk, d]`, `v: [b, hkv, sk, dv]` (`h`
@@ -199,6 +192,7 @@ pub fn forward<R: CubeRuntime>(
         .max()
         .unwrap_or_default();
     let dtypes = [q.dtype.into(), inputs.mask_dtype()];
+    let (seed_lo, seed_hi, threshold) = params.dropout_args();
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernel forms is
     // bounded by the tensors' shapes, and out-of-range rows are clamped or zero-filled.
@@ -221,6 +215,9 @@ pub fn forward<R: CubeRuntime>(
                 params.right,
                 params.softcap.unwrap_or(1.0),
                 f32::NEG_INFINITY,
+                seed_lo,
+                seed_hi,
+                threshold,
                 cfg,
                 dtypes,
             ),
@@ -241,6 +238,9 @@ pub fn forward<R: CubeRuntime>(
                 params.right,
                 params.softcap.unwrap_or(1.0),
                 f32::NEG_INFINITY,
+                seed_lo,
+                seed_hi,
+                threshold,
                 cfg,
                 dtypes,
             ),

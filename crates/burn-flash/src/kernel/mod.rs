@@ -3,6 +3,7 @@
 
 mod backward;
 mod config;
+mod dropout;
 mod forward;
 mod inputs;
 mod launch;

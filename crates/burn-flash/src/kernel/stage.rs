@@ -45,8 +45,9 @@ pub fn swizzled_offset(
     lane_row * width + key * CHUNK + comptime!(row0 * width + (chunk0 - chunk0 % 8) * CHUNK)
 }
 
-/// Issue asynchronous copies of rows `[first_row, first_row + rows)` of one head of `src` into
-/// `stage`. Rows at or past `seq` are zero-filled, never read.
+/// Issue asynchronous copies of rows `[first_row, first_row + rows)` of one head of `src`
+/// (`width` wide) into `stage` (rows `cfg.stride(width)` apart). Rows at or past `seq` are
+/// zero-filled, never read.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn copy_block_async<E: Float>(
@@ -62,48 +63,93 @@ pub fn copy_block_async<E: Float>(
 ) {
     let chunks_per_row = comptime!(width / CHUNK);
     let units = comptime!(cfg.units());
-    // Each pass of the units covers `pass_rows` whole rows; the launch checks that the passes
-    // divide the block.
-    let pass_rows = comptime!(units / chunks_per_row);
+    let stride = comptime!(cfg.stride(width));
     let row_stride = src.stride(2);
-    let lane_row = UNIT_POS as usize / chunks_per_row;
-    let lane_chunk = UNIT_POS as usize % chunks_per_row;
-
-    #[unroll]
-    for pass in 0..comptime!(rows / pass_rows) {
-        let row = comptime!(pass * pass_rows) + lane_row;
-        let global_row = first_row + row;
-        let in_bounds = global_row < seq;
-        // Out-of-range rows point at row 0 with a zero-length source: cp.async zero-fills.
-        let src_start = head_base
-            + select(
-                in_bounds,
-                global_row * row_stride + lane_chunk * CHUNK,
-                0usize,
+    if comptime!(
+        units.is_multiple_of(chunks_per_row) && rows.is_multiple_of(units / chunks_per_row)
+    ) {
+        // Each pass of the units covers `pass_rows` whole rows: a unit's chunk is the same in
+        // every pass and its rows step by a constant.
+        let pass_rows = comptime!(units / chunks_per_row);
+        let lane_row = UNIT_POS as usize / chunks_per_row;
+        let lane_chunk = UNIT_POS as usize % chunks_per_row;
+        #[unroll]
+        for pass in 0..comptime!(rows / pass_rows) {
+            let row = comptime!(pass * pass_rows) + lane_row;
+            let dst = if comptime!(pass_rows % 8 == 0) {
+                swizzled_offset(
+                    lane_row,
+                    lane_chunk,
+                    comptime!(pass * pass_rows),
+                    0usize,
+                    stride,
+                )
+            } else {
+                stage_offset(row, lane_chunk * CHUNK, stride, true)
+            };
+            copy_chunk::<E>(
+                src,
+                head_base + lane_chunk * CHUNK,
+                row_stride,
+                first_row + row,
+                seq,
+                stage,
+                stage_base + dst,
             );
-        let len = select(in_bounds, CHUNK, 0usize);
-        let dst = if comptime!(pass_rows % 8 == 0) {
-            swizzled_offset(
-                lane_row,
-                lane_chunk,
-                comptime!(pass * pass_rows),
-                0usize,
-                width,
-            )
-        } else {
-            stage_offset(row, lane_chunk * CHUNK, width, true)
-        };
-        copy_async_checked(
-            &src.slice(src_start, src_start + len),
-            &mut stage.slice_mut(stage_base + dst, stage_base + dst + CHUNK),
-            CHUNK as u32,
-        );
+        }
+    } else {
+        // Rows of a width the units do not divide (head dim 96): the units walk the block's
+        // chunks in order, a pass at a time.
+        let chunks = comptime!(rows * chunks_per_row);
+        #[unroll]
+        for pass in 0..comptime!(chunks.div_ceil(units)) {
+            let id = comptime!(pass * units) + UNIT_POS as usize;
+            if id < chunks {
+                let row = id / chunks_per_row;
+                let chunk = id % chunks_per_row;
+                copy_chunk::<E>(
+                    src,
+                    head_base + chunk * CHUNK,
+                    row_stride,
+                    first_row + row,
+                    seq,
+                    stage,
+                    stage_base + stage_offset(row, chunk * CHUNK, stride, true),
+                );
+            }
+        }
     }
+}
+
+/// One asynchronous 16-byte copy from `src[column_base + global_row · row_stride..]` to
+/// `stage[dst..]`. A row at or past `seq` points at the head's first element with a zero-length
+/// source, which `cp.async` zero-fills.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_chunk<E: Float>(
+    src: &Tensor<E>,
+    column_base: usize,
+    row_stride: usize,
+    global_row: usize,
+    seq: usize,
+    stage: &mut SharedMemory<E>,
+    dst: usize,
+) {
+    let in_bounds = global_row < seq;
+    let src_start = column_base + select(in_bounds, global_row * row_stride, 0usize);
+    let len = select(in_bounds, CHUNK, 0usize);
+    copy_async_checked(
+        &src.slice(src_start, src_start + len),
+        &mut stage.slice_mut(dst, dst + CHUNK),
+        CHUNK as u32,
+    );
 }
 
 /// Stage `stage` (0 or 1) of a double-buffered pair of operands: copies of rows
 /// `[first_row, first_row + cfg.block_kv)` of `first` (`cfg.head_dim` wide) and `second`
 /// (`cfg.value_dim` wide) issued asynchronously, completing on that stage's barrier.
+/// `first_stages` holds two blocks of `cfg.head_stride()`-apart rows, `second_stages` two of
+/// `cfg.value_stride()`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn fetch_stage<E: Float>(
@@ -125,7 +171,7 @@ pub fn fetch_stage<E: Float>(
         first_row,
         seq,
         first_stages,
-        stage * comptime!(cfg.block_kv * cfg.head_dim),
+        stage * comptime!(cfg.block_kv * cfg.head_stride()),
         cfg.block_kv,
         cfg.head_dim,
         cfg,
@@ -136,7 +182,7 @@ pub fn fetch_stage<E: Float>(
         first_row,
         seq,
         second_stages,
-        stage * comptime!(cfg.block_kv * cfg.value_dim),
+        stage * comptime!(cfg.block_kv * cfg.value_stride()),
         cfg.block_kv,
         cfg.value_dim,
         cfg,

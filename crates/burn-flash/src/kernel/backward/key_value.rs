@@ -9,6 +9,7 @@ use cubecl::prelude::*;
 
 use super::walk::{Span, Sweep, walk};
 use crate::kernel::config::TileConfig;
+use crate::kernel::dropout::Dropout;
 use crate::kernel::mask::{Band, query_range};
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
@@ -31,6 +32,9 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>>(
     band_left: u32,
     band_right: u32,
     softcap: f32,
+    dropout_seed_lo: u32,
+    dropout_seed_hi: u32,
+    dropout_threshold: u32,
     #[comptime] cfg: TileConfig,
     #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
@@ -82,6 +86,13 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>>(
         band,
         softcap: Softcap::new(scale, softcap),
         inv_scale: 1.0 / scale,
+        dropout: Dropout::new(
+            dropout_seed_lo,
+            dropout_seed_hi,
+            dropout_threshold,
+            q.shape(1),
+            k.shape(2),
+        ),
     };
     // Owning keys, the bias gradient is left to the dQ launch.
     let mut no_bias_grad = ComptimeOption::<Tensor<E>>::new_None();

@@ -16,8 +16,7 @@ use super::row_dot::row_dot;
 use crate::kernel::TilePath;
 use crate::kernel::config::{MMA_M, ScoreParams, TileConfig};
 use crate::kernel::launch::{
-    ScoreInputs, check_copy_split, cube_dim, fill_tensor, fits_shared, output, shape_override,
-    usable_tile,
+    ScoreInputs, cube_dim, fill_tensor, fits_shared, output, shape_override, usable_tile,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 
@@ -45,9 +44,7 @@ fn backward_config(tile: TilePath, head_dim: usize, value_dim: usize) -> TileCon
             static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
             let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_BWD_SHAPE"));
             let (planes, plane_rows, block_kv) = shape.unwrap_or((4, 16, 64));
-            let cfg = TileConfig::tensor_core(head_dim, value_dim, planes, plane_rows, block_kv);
-            check_copy_split(&cfg);
-            cfg
+            TileConfig::tensor_core(head_dim, value_dim, planes, plane_rows, block_kv)
         }
         TilePath::Portable => TileConfig::portable(head_dim, value_dim),
     }
@@ -169,6 +166,7 @@ pub fn backward<R: CubeRuntime>(
         )
     };
     let softcap = params.softcap.unwrap_or(1.0);
+    let (seed_lo, seed_hi, threshold) = params.dropout_args();
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernels form is
     // bounded by the tensors' shapes (rows past the ends are clamped, zero-filled or skipped).
@@ -216,6 +214,9 @@ pub fn backward<R: CubeRuntime>(
                         params.left,
                         params.right,
                         softcap,
+                        seed_lo,
+                        seed_hi,
+                        threshold,
                         cfg,
                         dtypes,
                     );
@@ -253,6 +254,9 @@ pub fn backward<R: CubeRuntime>(
                         params.left,
                         params.right,
                         softcap,
+                        seed_lo,
+                        seed_hi,
+                        threshold,
                         cfg,
                         dtypes,
                     );

@@ -6,6 +6,7 @@ use cubecl::prelude::*;
 
 use super::walk::{Span, Sweep, walk};
 use crate::kernel::config::TileConfig;
+use crate::kernel::dropout::Dropout;
 use crate::kernel::mask::{Band, kv_blocks};
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
@@ -27,6 +28,9 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     band_left: u32,
     band_right: u32,
     softcap: f32,
+    dropout_seed_lo: u32,
+    dropout_seed_hi: u32,
+    dropout_threshold: u32,
     #[comptime] cfg: TileConfig,
     #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
@@ -38,6 +42,13 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
         band: Band::new(q, k, band_left, band_right),
         softcap: Softcap::new(scale, softcap),
         inv_scale: 1.0 / scale,
+        dropout: Dropout::new(
+            dropout_seed_lo,
+            dropout_seed_hi,
+            dropout_threshold,
+            q.shape(1),
+            k.shape(2),
+        ),
     };
     let query_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
     let grad_cfg = comptime!(cfg.with_widths(cfg.value_dim, cfg.value_dim));

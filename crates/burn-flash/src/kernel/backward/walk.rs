@@ -5,12 +5,15 @@
 //! the forward (`scores` for `K·Qᵀ`/`V·dOᵀ`, `accumulate` for `Pᵀ·dO`/`dSᵀ·Q`/`dS·K`). Owning
 //! keys with an atomic dQ, it also adds `dSᵀ·K` to the staged queries' dQ accumulator. Owning
 //! queries with a bias gradient asked for, it writes `dS` (before the scale and the softcap's
-//! slope: the gradient of the bias) as it goes.
+//! slope: the gradient of the bias) as it goes. With dropout, the forward's keep decisions are
+//! regenerated: `dV` takes the dropped and rescaled `P`, and `dS = P ∘ (dP ∘ Z − D)` with `Z` the
+//! rescaled keep mask (`D` is already the dropped output's row dot).
 
 use cubecl::prelude::*;
 
 use crate::kernel::TilePath;
 use crate::kernel::config::TileConfig;
+use crate::kernel::dropout::{Dropout, keep_mask};
 use crate::kernel::inputs::{Views, add_bias, mask_input_allows, pair_of, write_bias_grad};
 use crate::kernel::mask::{Band, block_needs_mask, key_visible};
 use crate::kernel::softmax::Softcap;
@@ -25,6 +28,7 @@ pub struct Span {
     pub band: Band,
     pub softcap: Softcap,
     pub inv_scale: f32,
+    pub dropout: Dropout,
 }
 
 /// The staged side of a walk: blocks `[first_block, end_block)` of `first` (the score product's
@@ -108,10 +112,14 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>>(
     let steps = sweep.members * blocks;
 
     if comptime!(cfg.tile == TilePath::TensorCore) {
-        let mut first_stages =
-            SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.head_dim), 16usize);
-        let mut second_stages =
-            SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.value_dim), 16usize);
+        let mut first_stages = SharedMemory::<E>::new_aligned(
+            comptime!(2 * cfg.block_kv * cfg.head_stride()),
+            16usize,
+        );
+        let mut second_stages = SharedMemory::<E>::new_aligned(
+            comptime!(2 * cfg.block_kv * cfg.value_stride()),
+            16usize,
+        );
         let mut scratch = SharedMemory::<E>::new_aligned(cfg.transpose_scratch(), 16usize);
         let barriers = StageBarriers::new();
         sync_cube();
@@ -304,8 +312,8 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] owns_keys: bool,
     #[comptime] cfg: TileConfig,
 ) {
-    let first_base = stage * comptime!(cfg.block_kv * cfg.head_dim);
-    let second_base = stage * comptime!(cfg.block_kv * cfg.value_dim);
+    let first_base = stage * comptime!(cfg.block_kv * cfg.head_stride());
+    let second_base = stage * comptime!(cfg.block_kv * cfg.value_stride());
     // Registers are (owned row, staged row): which is the query depends on the side owned.
     let (q_start, kv_start) = if comptime!(owns_keys) {
         (staged_start, span.owned_start)
@@ -346,6 +354,15 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>>(
         cfg,
     );
 
+    let keep = keep_mask::<E, T>(
+        &span.dropout,
+        batch,
+        head,
+        q_start,
+        kv_start,
+        owns_keys,
+        cfg,
+    );
     #[unroll]
     for reg in 0..cfg.score_regs() {
         let slot = comptime!(cfg.score_slot(reg));
@@ -363,8 +380,14 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>>(
             // A bias of -inf can hide a whole row (lse -inf): exp(-inf + inf) is NaN, not 0.
             p = select(row_lse >= f32::MIN, p, 0.0);
         }
-        probs[reg] = p;
-        grads[reg] = p * (grads[reg] - row_delta);
+        if comptime!(cfg.dropout) {
+            let kept = select(keep[reg], span.dropout.scale, 0.0);
+            probs[reg] = p * kept;
+            grads[reg] = p * (grads[reg] * kept - row_delta);
+        } else {
+            probs[reg] = p;
+            grads[reg] = p * (grads[reg] - row_delta);
+        }
     }
 
     let q_rows = comptime!(if owns_keys { cfg.block_kv } else { cfg.block_q });

@@ -101,7 +101,7 @@ fn query_fragment<E: Float>(
         lane / 16usize,
         comptime!(m * MMA_M),
         comptime!(step * MMA_K / CHUNK),
-        cfg.head_dim,
+        comptime!(cfg.head_stride()),
     );
     definition::<E>().load_matrix::<E, Const<2>>(
         &stage.slice(at, at + CHUNK),
@@ -147,7 +147,7 @@ fn acc_block_position<E: Float>(
 
 /// One 16-deep step of `acc += A · R`: `a` holds the A operands of `m_tiles` m16 blocks
 /// (4 registers each), `R` is rows `row0..row0 + 16` of the row-major, swizzled block at `base`
-/// in `rows` (`width` wide), columns `col0..col0 + cols`; `acc` holds `cols / 8` n-tiles per
+/// in `rows` (rows `width` apart), columns `col0..col0 + cols`; `acc` holds `cols / 8` n-tiles per
 /// m16 block. `ldmatrix.x4.trans` on R: matrices (rows +0, cols +0), (+8, +0), (+0, +8),
 /// (+8, +8) are the B operands of two n-tiles.
 #[cube]
@@ -203,9 +203,9 @@ fn rows_product<E: Float>(
 
 /// `accum += Gᵀ · owned` for this plane's `cfg.block_kv / cfg.planes` staged rows: `scratch`
 /// holds `G` (owned × staged, swizzled, `cfg.block_kv` wide), `owned` the owned rows
-/// (`cfg.head_dim` wide). The head dim is covered 64 columns at a time so that the f32
-/// accumulators (32 registers per chunk) fit beside the launch's dK and dV; each chunk is then
-/// added to `accum` with one atomic per element.
+/// (`cfg.head_dim` wide). The head dim is covered 64 columns at a time (32 where 64 does not
+/// divide it) so that the f32 accumulators (32 registers per chunk) fit beside the launch's dK
+/// and dV; each chunk is then added to `accum` with one atomic per element.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn transposed_product<E: Float>(
@@ -219,7 +219,7 @@ fn transposed_product<E: Float>(
 ) {
     let def = definition::<E>();
     let m_tiles = comptime!(cfg.block_kv / cfg.planes / MMA_M);
-    let chunk_cols = comptime!(if cfg.head_dim > 64 { 64 } else { cfg.head_dim });
+    let chunk_cols = comptime!(if cfg.head_dim % 64 == 0 { 64 } else { 32 });
     let out_tiles = comptime!(chunk_cols / MMA_N);
     let lane = UNIT_POS_X as usize;
     let plane_first = UNIT_POS_Y as usize * comptime!(cfg.block_kv / cfg.planes);
@@ -267,7 +267,7 @@ fn transposed_product<E: Float>(
                 comptime!(step * MMA_K),
                 comptime!(part * chunk_cols),
                 chunk_cols,
-                cfg.head_dim,
+                comptime!(cfg.head_stride()),
                 m_tiles,
             );
         }
@@ -296,7 +296,8 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         seq_q: usize,
         #[comptime] cfg: TileConfig,
     ) -> MmaQuery<E> {
-        let mut stage = SharedMemory::<E>::new_aligned(cfg.block_q * cfg.head_dim, 16usize);
+        let mut stage =
+            SharedMemory::<E>::new_aligned(comptime!(cfg.block_q * cfg.head_stride()), 16usize);
         let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
         sync_cube();
         copy_block_async::<E>(
@@ -378,7 +379,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                         lane_chunk,
                         comptime!(tile * MMA_N),
                         comptime!(steps * 2 * MMA_K / CHUNK),
-                        cfg.head_dim,
+                        comptime!(cfg.head_stride()),
                     );
                 let b = def.load_matrix::<E, Const<2>>(
                     &keys.slice(at, at + CHUNK),
@@ -437,7 +438,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                 comptime!(step * MMA_K),
                 0usize,
                 cfg.value_dim,
-                cfg.value_dim,
+                comptime!(cfg.value_stride()),
                 m_tiles,
             );
         }
