@@ -1,7 +1,8 @@
 //! `burn_flash::nn::FlashMultiHeadAttention` on `burn::backend::Wgpu` (f32; lavapipe in CI):
 //! its three attention kernels against an f64 CPU computation of multi-head attention from the
-//! module's own weights and against each other, the causal mask, and parameter gradients
-//! through `Autodiff<Wgpu>`.
+//! module's own weights and against each other, the causal mask, the configured features
+//! (grouped heads, window, softcap) with masks and biases, and parameter gradients through
+//! `Autodiff<Wgpu>`.
 
 use crate::common;
 
@@ -10,10 +11,15 @@ use burn::backend::{Autodiff, Wgpu};
 use burn::module::Param;
 use burn::nn::Linear;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Tensor, TensorData};
 use burn_flash::nn::{AttentionKernel, FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
-use burn_flash::{FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention_plan};
-use common::{Problem, error, random_normal, reference_attention, to_host};
+use burn_flash::{
+    AttentionMask, FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention_plan,
+};
+use common::{
+    Problem, Scores, Spec, error, random_normal, reference_attention, reference_attention_scores,
+    to_host,
+};
 
 const KERNELS: [AttentionKernel; 3] = [
     AttentionKernel::Flash,
@@ -74,16 +80,21 @@ fn linear_host<B: Backend>(x: &[f64], linear: &Linear<B>) -> Vec<f64> {
         .collect()
 }
 
-/// `[batch, seq, heads·d_k]` to `[batch, heads, seq, d_k]`, or back with `inverse`.
+/// `[batch, seq, HEADS·d_k]` to `[batch, HEADS, seq, d_k]`, or back with `inverse`.
 fn transpose_heads(x: &[f64], batch: usize, seq: usize, inverse: bool) -> Vec<f64> {
-    let d_k = D_MODEL / HEADS;
+    split_heads(x, batch, seq, HEADS, inverse)
+}
+
+/// `[batch, seq, heads·d_k]` to `[batch, heads, seq, d_k]`, or back with `inverse`.
+fn split_heads(x: &[f64], batch: usize, seq: usize, heads: usize, inverse: bool) -> Vec<f64> {
+    let d_k = x.len() / (batch * seq * heads);
     let mut out = vec![0.0; x.len()];
     for b in 0..batch {
         for s in 0..seq {
-            for h in 0..HEADS {
+            for h in 0..heads {
                 for f in 0..d_k {
-                    let merged = ((b * seq + s) * HEADS + h) * d_k + f;
-                    let split = ((b * HEADS + h) * seq + s) * d_k + f;
+                    let merged = ((b * seq + s) * heads + h) * d_k + f;
+                    let split = ((b * heads + h) * seq + s) * d_k + f;
                     if inverse {
                         out[merged] = x[split];
                     } else {
@@ -111,7 +122,7 @@ fn reference<B: burn_flash::FlashAttentionBackend>(
     let k = transpose_heads(&linear_host(&key_value, &module.key), batch, seq_k, false);
     let v = transpose_heads(&linear_host(&key_value, &module.value), batch, seq_k, false);
     let problem = Problem::cross(batch, HEADS, seq_q, seq_k, D_MODEL / HEADS);
-    let (context, _lse) = reference_attention(&problem, &q, &k, &v, module.causal, None);
+    let (context, _lse) = reference_attention(&problem, &q, &k, &v, module.options.causal, None);
     linear_host(
         &transpose_heads(&context, batch, seq_q, true),
         &module.output,
@@ -163,6 +174,100 @@ fn kernels_match_the_f64_reference_and_each_other() {
                 );
             }
         }
+    }
+}
+
+/// Grouped heads (4 query heads over 2 key/value heads), causal with a sliding window, the
+/// softcap, key padding and a per-head bias, from the module's configuration and
+/// `forward_masked`: each kernel against the f64 computation with the same options written
+/// from their definitions.
+#[test]
+fn features_match_the_f64_reference() {
+    let device = WgpuDevice::default();
+    let (batch, seq, heads, kv_heads) = (2, 29, 4, 2);
+    let d_k = D_MODEL / heads;
+    let spec = Spec {
+        causal: true,
+        left: Some(6),
+        right: None,
+        softcap: Some(3.0),
+    };
+    <Wgpu as Backend>::seed(&device, 9);
+    let module = FlashMultiHeadAttentionConfig::new(D_MODEL, heads)
+        .with_n_kv_heads(Some(kv_heads))
+        .with_causal(true)
+        .with_window_left(Some(6))
+        .with_softcap(Some(3.0))
+        .with_dropout(0.0)
+        .init::<Wgpu>(&device);
+    assert_eq!(module.key.weight.val().dims(), [D_MODEL, kv_heads * d_k]);
+
+    // The last 5 positions of the second sequence are padding; one bias per head and pair.
+    let padded = |b: usize, j: usize| b == 1 && j >= seq - 5;
+    let padding: Vec<bool> = (0..batch * seq)
+        .map(|at| padded(at / seq, at % seq))
+        .collect();
+    let bias = random_normal(heads * seq * seq, 43, DType::F32);
+    let x = random_normal(batch * seq * D_MODEL, 41, DType::F32);
+
+    let widen = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let rows = widen(&x);
+    let q = split_heads(&linear_host(&rows, &module.query), batch, seq, heads, false);
+    let k = split_heads(
+        &linear_host(&rows, &module.key),
+        batch,
+        seq,
+        kv_heads,
+        false,
+    );
+    let v = split_heads(
+        &linear_host(&rows, &module.value),
+        batch,
+        seq,
+        kv_heads,
+        false,
+    );
+    let problem = Problem::square(batch, heads, seq, d_k).grouped(kv_heads);
+    let pairs = batch * heads * seq * seq;
+    let scores = Scores {
+        hidden: Some(
+            (0..pairs)
+                .map(|at| padded(at / (heads * seq * seq), at % seq))
+                .collect(),
+        ),
+        bias: Some(
+            (0..pairs)
+                .map(|at| bias[at % (heads * seq * seq)] as f64)
+                .collect(),
+        ),
+        keep: None,
+    };
+    let (context, _) = reference_attention_scores(&problem, &q, &k, &v, spec, None, &scores);
+    let expected = linear_host(
+        &split_heads(&context, batch, seq, heads, true),
+        &module.output,
+    );
+
+    for kernel in KERNELS {
+        let mask = Tensor::<Wgpu, 2, Bool>::from_data(
+            TensorData::new(padding.clone(), [batch, seq]),
+            &device,
+        );
+        let bias = Tensor::<Wgpu, 4>::from_data(
+            TensorData::new(bias.clone(), [1, heads, seq, seq]),
+            &device,
+        );
+        let x = input::<Wgpu>(&x, batch, seq, &device);
+        let out = with_kernel(&module, kernel).forward_masked(
+            x.clone(),
+            x.clone(),
+            x,
+            Some(AttentionMask::KeyPadding(mask)),
+            Some(bias),
+        );
+        let e = error(&to_host(out), &expected, D_MODEL);
+        println!("{kernel:?}: {e}");
+        assert!(e.finite() && e.row_relative <= TOLERANCE, "{kernel:?}: {e}");
     }
 }
 
@@ -282,7 +387,7 @@ fn reference_parameter_grads<B: burn_flash::FlashAttentionBackend>(
         &split(&q),
         &split(&k),
         &split(&v),
-        module.causal,
+        module.options.causal,
         None,
     );
     let context = merge(&context);
@@ -300,7 +405,7 @@ fn reference_parameter_grads<B: burn_flash::FlashAttentionBackend>(
         &split(&k),
         &split(&v),
         &split(&d_context),
-        module.causal,
+        module.options.causal,
         None,
     );
     let mut out = Vec::new();

@@ -1,23 +1,35 @@
 //! Modules for models: multi-head attention whose core is the fused kernel.
 //!
 //! [`FlashMultiHeadAttention`] stands where `burn::nn::attention::MultiHeadAttention` would: the
-//! same four projections (`query`, `key`, `value`, `output`, each `d_model × d_model`), the
-//! same configuration fields, and a choice of [`AttentionKernel`] for the
-//! `softmax(Q·Kᵀ / sqrt(d_k)) · V` in the middle, so one model can be run with the fused kernel,
-//! Burn's own attention or the unfused computation on the same weights.
+//! same four projections (`query`, `key`, `value`, `output`; the key and value ones narrower
+//! with grouped-query attention), the same configuration fields plus the attention features of
+//! [`FlashAttentionOptions`] (causal, sliding window, softcap, grouped heads), and a choice of
+//! [`AttentionKernel`] for the `softmax(Q·Kᵀ / sqrt(d_k)) · V` in the middle, so one model can
+//! be run with the fused kernel, Burn's own attention or the unfused computation on the same
+//! weights. Padding and arbitrary masks and additive biases go through
+//! [`forward_masked`](FlashMultiHeadAttention::forward_masked).
 //!
 //! What differs from Burn's module, because the fused kernel never materialises the attention
-//! weights: `forward` returns the context only (no weights), masking is causal or none (no
-//! padding or arbitrary masks), and dropout applies to the module's output rather than to the
-//! attention scores.
+//! weights: `forward` returns the context only (no weights), and dropout applies to the
+//! attention probabilities after the softmax (as PyTorch's and FlashAttention's), where Burn's
+//! module drops the scores before it. Dropout acts in training only (an autodiff backend), as
+//! Burn's `Dropout`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::config::Config;
 use burn::module::{Initializer, Module};
-use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
-use burn::tensor::Tensor;
+use burn::nn::{DropoutConfig, Linear, LinearConfig};
+use burn::tensor::activation::softmax;
 use burn::tensor::module::{attention, attention_fallback};
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Bool, Int, Tensor};
 
-use crate::{FlashAttentionBackend, FlashAttentionOptions, flash_attention};
+use crate::api::burn_attention;
+use crate::{
+    AttentionMask, AttentionWindow, FlashAttentionBackend, FlashAttentionOptions,
+    flash_attention_masked,
+};
 
 /// Which implementation computes the attention inside [`FlashMultiHeadAttention`]. All three
 /// compute the same function; they differ in speed and memory.
@@ -44,7 +56,8 @@ pub enum AttentionKernel {
 }
 
 /// Configuration of a [`FlashMultiHeadAttention`]; the fields of Burn's
-/// `MultiHeadAttentionConfig` that apply, plus `causal`, `bias` and `kernel`.
+/// `MultiHeadAttentionConfig` that apply, plus the attention features (`causal`, `n_kv_heads`,
+/// `window_left`/`window_right`, `softcap`), `bias` and `kernel`.
 ///
 /// # Example
 ///
@@ -52,9 +65,14 @@ pub enum AttentionKernel {
 /// use burn::backend::Wgpu;
 /// use burn_flash::nn::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
 ///
-/// let config = FlashMultiHeadAttentionConfig::new(512, 8).with_causal(true).with_dropout(0.0);
+/// // Mistral-style: 32 query heads over 8 key/value heads, causal, a 4096-token window.
+/// let config = FlashMultiHeadAttentionConfig::new(4096, 32)
+///     .with_n_kv_heads(Some(8))
+///     .with_causal(true)
+///     .with_window_left(Some(4095))
+///     .with_dropout(0.0);
 /// let attention: FlashMultiHeadAttention<Wgpu> = config.init(&Default::default());
-/// assert_eq!(attention.d_k, 64);
+/// assert_eq!((attention.d_k, attention.n_kv_heads), (128, 8));
 /// ```
 #[derive(Config, Debug)]
 pub struct FlashMultiHeadAttentionConfig {
@@ -62,12 +80,29 @@ pub struct FlashMultiHeadAttentionConfig {
     pub d_model: usize,
     /// Number of heads; each has `d_model / n_heads` features.
     pub n_heads: usize,
+    /// Key/value heads (grouped-query attention; 1 is multi-query): the key and value
+    /// projections produce `n_kv_heads · d_k` features, each read by `n_heads / n_kv_heads`
+    /// query heads. `None`: as many as query heads.
+    #[config(default = "None")]
+    pub n_kv_heads: Option<usize>,
     /// Apply the causal mask: position `i` attends to positions `j <= i` (aligned bottom-right
     /// when key and query lengths differ, see [`FlashAttentionOptions`]).
     #[config(default = false)]
     pub causal: bool,
-    /// Dropout probability applied to the output (after the output projection) in training.
-    /// Burn's module drops attention scores instead; the fused kernel has no such dropout.
+    /// Keys before each query's diagonal that stay visible (a sliding window, see
+    /// [`AttentionWindow`]); `None`: all of them. Mistral's window of `w` tokens is `w - 1`.
+    #[config(default = "None")]
+    pub window_left: Option<usize>,
+    /// Keys after each query's diagonal that stay visible; `None`: all of them (the causal mask,
+    /// if set, hides them anyway).
+    #[config(default = "None")]
+    pub window_right: Option<usize>,
+    /// Cap the scaled scores at `±softcap` through `softcap · tanh(s / softcap)` (Gemma-2);
+    /// `None`: no cap.
+    #[config(default = "None")]
+    pub softcap: Option<f64>,
+    /// Dropout probability of the attention probabilities, in training (see the module's
+    /// documentation); Burn's default.
     #[config(default = 0.1)]
     pub dropout: f64,
     /// Whether the four projections have a bias.
@@ -100,24 +135,27 @@ pub struct FlashMultiHeadAttentionConfig {
 /// ```
 #[derive(Module, Debug)]
 pub struct FlashMultiHeadAttention<B: FlashAttentionBackend> {
-    /// Query projection.
+    /// Query projection, `d_model → n_heads · d_k`.
     pub query: Linear<B>,
-    /// Key projection.
+    /// Key projection, `d_model → n_kv_heads · d_k`.
     pub key: Linear<B>,
-    /// Value projection.
+    /// Value projection, `d_model → n_kv_heads · d_k`.
     pub value: Linear<B>,
     /// Output projection.
     pub output: Linear<B>,
-    /// Dropout on the output.
-    pub dropout: Dropout,
+    /// Dropout probability of the attention probabilities in training.
+    pub dropout: f64,
     /// Width of the inputs and outputs.
     pub d_model: usize,
-    /// Number of heads.
+    /// Number of query heads.
     pub n_heads: usize,
+    /// Number of key/value heads (divides `n_heads`).
+    pub n_kv_heads: usize,
     /// Features per head, `d_model / n_heads`.
     pub d_k: usize,
-    /// Whether the causal mask applies.
-    pub causal: bool,
+    /// The attention's options: causal mask, window, softcap (scale `1 / sqrt(d_k)`); may be
+    /// changed after loading weights.
+    pub options: FlashAttentionOptions,
     /// Which implementation computes the attention; may be changed after loading weights.
     pub kernel: AttentionKernel,
 }
@@ -127,7 +165,8 @@ impl FlashMultiHeadAttentionConfig {
     ///
     /// # Panics
     ///
-    /// If `n_heads` is 0 or does not divide `d_model`.
+    /// If `n_heads` is 0 or does not divide `d_model`, or `n_kv_heads` is 0 or does not divide
+    /// `n_heads`.
     ///
     /// # Example
     ///
@@ -145,22 +184,38 @@ impl FlashMultiHeadAttentionConfig {
             self.n_heads,
             self.d_model
         );
-        let linear = || {
-            LinearConfig::new(self.d_model, self.d_model)
+        let n_kv_heads = self.n_kv_heads.unwrap_or(self.n_heads);
+        assert!(
+            n_kv_heads > 0 && self.n_heads.is_multiple_of(n_kv_heads),
+            "n_kv_heads ({n_kv_heads}) must divide n_heads ({})",
+            self.n_heads
+        );
+        let d_k = self.d_model / self.n_heads;
+        let linear = |d_out| {
+            LinearConfig::new(self.d_model, d_out)
                 .with_bias(self.bias)
                 .with_initializer(self.initializer.clone())
                 .init(device)
         };
+        let mut options = FlashAttentionOptions::new().with_causal(self.causal);
+        if self.window_left.is_some() || self.window_right.is_some() {
+            options =
+                options.with_window(AttentionWindow::new(self.window_left, self.window_right));
+        }
+        if let Some(softcap) = self.softcap {
+            options = options.with_softcap(softcap);
+        }
         FlashMultiHeadAttention {
-            query: linear(),
-            key: linear(),
-            value: linear(),
-            output: linear(),
-            dropout: DropoutConfig::new(self.dropout).init(),
+            query: linear(self.d_model),
+            key: linear(n_kv_heads * d_k),
+            value: linear(n_kv_heads * d_k),
+            output: linear(self.d_model),
+            dropout: self.dropout,
             d_model: self.d_model,
             n_heads: self.n_heads,
-            d_k: self.d_model / self.n_heads,
-            causal: self.causal,
+            n_kv_heads,
+            d_k,
+            options,
             kernel: self.kernel,
         }
     }
@@ -191,15 +246,53 @@ impl<B: FlashAttentionBackend> FlashMultiHeadAttention<B> {
         key: Tensor<B, 3>,
         value: Tensor<B, 3>,
     ) -> Tensor<B, 3> {
+        self.forward_masked(query, key, value, None, None)
+    }
+
+    /// [`forward`](Self::forward) with a boolean mask (`true` hides a pair; e.g.
+    /// [`AttentionMask::KeyPadding`] of `[batch, seq_k]`) and an additive bias
+    /// `[batch|1, n_heads|1, seq_q|1, seq_k]` on the scores, as
+    /// [`flash_attention_masked`] takes them. Rows that see no key give a context of 0.
+    ///
+    /// # Panics
+    ///
+    /// On a mask or bias [`try_flash_attention_masked`](crate::try_flash_attention_masked)
+    /// refuses.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn::tensor::{Bool, Tensor};
+    /// use burn_flash::nn::FlashMultiHeadAttention;
+    /// use burn_flash::{AttentionMask, FlashAttentionBackend};
+    ///
+    /// /// `padding: [batch, seq]`, true on padding tokens.
+    /// fn encode<B: FlashAttentionBackend>(
+    ///     attention: &FlashMultiHeadAttention<B>,
+    ///     x: Tensor<B, 3>,
+    ///     padding: Tensor<B, 2, Bool>,
+    /// ) -> Tensor<B, 3> {
+    ///     let mask = Some(AttentionMask::KeyPadding(padding));
+    ///     attention.forward_masked(x.clone(), x.clone(), x, mask, None)
+    /// }
+    /// ```
+    pub fn forward_masked(
+        &self,
+        query: Tensor<B, 3>,
+        key: Tensor<B, 3>,
+        value: Tensor<B, 3>,
+        mask: Option<AttentionMask<B>>,
+        bias: Option<Tensor<B, 4>>,
+    ) -> Tensor<B, 3> {
         let [batch, seq_q, _] = query.dims();
-        let q = self.split_heads(self.query.forward(query));
-        let k = self.split_heads(self.key.forward(key));
-        let v = self.split_heads(self.value.forward(value));
+        let q = self.split_heads(self.query.forward(query), self.n_heads);
+        let k = self.split_heads(self.key.forward(key), self.n_kv_heads);
+        let v = self.split_heads(self.value.forward(value), self.n_kv_heads);
         let context = self
-            .attend(q, k, v)
+            .attend_masked(q, k, v, mask, bias)
             .swap_dims(1, 2)
             .reshape([batch, seq_q, self.d_model]);
-        self.dropout.forward(self.output.forward(context))
+        self.output.forward(context)
     }
 
     /// Self-attention: [`forward`](Self::forward) with `x` as query, key and value.
@@ -219,9 +312,9 @@ impl<B: FlashAttentionBackend> FlashMultiHeadAttention<B> {
         self.forward(x.clone(), x.clone(), x)
     }
 
-    /// The attention of per-head `q: [batch, heads, seq_q, d_k]`, `k`, `v: [batch, heads,
-    /// seq_k, d_k]` with this module's kernel and mask (scale `1 / sqrt(d_k)`), without the
-    /// projections.
+    /// The attention of per-head `q: [batch, n_heads, seq_q, d_k]`, `k`, `v: [batch,
+    /// n_kv_heads, seq_k, d_k]` with this module's kernel and options (scale `1 / sqrt(d_k)`),
+    /// without the projections.
     ///
     /// # Example
     ///
@@ -238,18 +331,127 @@ impl<B: FlashAttentionBackend> FlashMultiHeadAttention<B> {
     /// }
     /// ```
     pub fn attend(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 4> {
-        let options = FlashAttentionOptions::new().with_causal(self.causal);
-        match self.kernel {
-            AttentionKernel::Flash => flash_attention(q, k, v, options),
-            AttentionKernel::BurnBuiltin => attention(q, k, v, None, None, options.into()),
-            AttentionKernel::Unfused => attention_fallback(q, k, v, None, None, options.into()),
+        self.attend_masked(q, k, v, None, None)
+    }
+
+    /// [`attend`](Self::attend) with a mask and a bias, as
+    /// [`forward_masked`](Self::forward_masked) takes them.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn::tensor::Tensor;
+    /// use burn_flash::nn::FlashMultiHeadAttention;
+    /// use burn_flash::FlashAttentionBackend;
+    ///
+    /// /// `bias: [1, heads, seq, seq]`, e.g. relative positions.
+    /// fn biased<B: FlashAttentionBackend>(
+    ///     attention: &FlashMultiHeadAttention<B>,
+    ///     qkv: Tensor<B, 4>,
+    ///     bias: Tensor<B, 4>,
+    /// ) -> Tensor<B, 4> {
+    ///     attention.attend_masked(qkv.clone(), qkv.clone(), qkv, None, Some(bias))
+    /// }
+    /// ```
+    pub fn attend_masked(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        mask: Option<AttentionMask<B>>,
+        bias: Option<Tensor<B, 4>>,
+    ) -> Tensor<B, 4> {
+        let options = self.options;
+        let dropout = (B::ad_enabled(&q.device()) && self.dropout > 0.0).then_some(self.dropout);
+        match (self.kernel, dropout) {
+            (AttentionKernel::Flash, None) => flash_attention_masked(q, k, v, mask, bias, options),
+            (AttentionKernel::Flash, Some(prob)) => {
+                let options = options.with_dropout(prob, next_dropout_seed());
+                flash_attention_masked(q, k, v, mask, bias, options)
+            }
+            (AttentionKernel::BurnBuiltin, None) => {
+                burn_attention(q, k, v, mask, bias, options, attention)
+            }
+            (AttentionKernel::Unfused, None) => {
+                burn_attention(q, k, v, mask, bias, options, attention_fallback)
+            }
+            // Burn's attention operations have no dropout: both compute the unfused attention
+            // with Burn's `Dropout` on the probabilities.
+            (_, Some(prob)) => burn_attention(q, k, v, mask, bias, options, |q, k, v, m, b, o| {
+                unfused_with_dropout(q, k, v, m, b, o, prob)
+            }),
         }
     }
 
-    /// `[batch, seq, d_model]` to `[batch, heads, seq, d_k]`.
-    fn split_heads(&self, x: Tensor<B, 3>) -> Tensor<B, 4> {
+    /// `[batch, seq, heads · d_k]` to `[batch, heads, seq, d_k]`.
+    fn split_heads(&self, x: Tensor<B, 3>, heads: usize) -> Tensor<B, 4> {
         let [batch, seq, _] = x.dims();
-        x.reshape([batch, seq, self.n_heads, self.d_k])
-            .swap_dims(1, 2)
+        x.reshape([batch, seq, heads, self.d_k]).swap_dims(1, 2)
     }
+}
+
+/// The unfused attention (`softmax(scale · Q·Kᵀ, capped, masked, biased) · V`) with Burn's
+/// `Dropout` on the probabilities: the non-fused kernels' training path. Rows that see no key
+/// give 0, as in Burn's fallback.
+fn unfused_with_dropout<B: FlashAttentionBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+    bias: Option<Tensor<B, 4>>,
+    options: AttentionModuleOptions,
+    prob: f64,
+) -> Tensor<B, 4> {
+    let [_, _, seq_q, head_dim] = q.dims();
+    let seq_k = k.dims()[2];
+    let scale = options.scale.unwrap_or(1.0 / (head_dim as f64).sqrt());
+    let mut scores = q.matmul(k.transpose()).mul_scalar(scale);
+    if let Some(cap) = options.softcap {
+        scores = scores.div_scalar(cap).tanh().mul_scalar(cap);
+    }
+    if options.is_causal {
+        // Bottom-right aligned: query i sees key j <= i + seq_k - seq_q.
+        let device = scores.device();
+        let keys = Tensor::<B, 1, Int>::arange(0..seq_k as i64, &device).unsqueeze::<2>();
+        let diagonals = Tensor::<B, 1, Int>::arange(0..seq_q as i64, &device)
+            .add_scalar(seq_k as i64 - seq_q as i64)
+            .unsqueeze_dim::<2>(1);
+        let future = keys.greater(diagonals);
+        scores = scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY);
+    }
+    if let Some(mask) = mask {
+        scores = scores.mask_fill(mask, f32::NEG_INFINITY);
+    }
+    if let Some(bias) = bias {
+        scores = scores + bias;
+    }
+    // A row that sees nothing is all -inf: its softmax is NaN, its output 0.
+    let empty = scores.clone().equal_elem(f32::NEG_INFINITY).all_dim(3);
+    let probs = softmax(scores, 3).mask_fill(empty, 0.0);
+    DropoutConfig::new(prob).init().forward(probs).matmul(v)
+}
+
+/// The seed of the next call's dropout mask: a process-wide stream, restarted by
+/// [`seed_dropout`].
+fn next_dropout_seed() -> u64 {
+    // splitmix64 over a Weyl sequence.
+    let mut z = DROPOUT_STREAM.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+static DROPOUT_STREAM: AtomicU64 = AtomicU64::new(0);
+
+/// Restart the stream of dropout seeds that [`FlashMultiHeadAttention`] draws from, one per
+/// call of the fused kernel, so that a training run repeats its masks (Burn's `B::seed` seeds
+/// the other kernels' `Dropout`).
+///
+/// # Example
+///
+/// ```
+/// burn_flash::nn::seed_dropout(42);
+/// ```
+pub fn seed_dropout(seed: u64) {
+    DROPOUT_STREAM.store(seed, Ordering::Relaxed);
 }

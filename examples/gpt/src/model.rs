@@ -141,7 +141,10 @@ impl<B: FlashAttentionBackend> Gpt<B> {
 
 impl<B: FlashAttentionBackend> Block<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = x.clone() + self.attention.forward_self(self.attention_norm.forward(x));
+        let attended = self
+            .attention
+            .forward_self(self.attention_norm.forward(x.clone()));
+        let x = x + self.dropout.forward(attended);
         let h = self.mlp_in.forward(self.mlp_norm.forward(x.clone()));
         x + self
             .dropout
