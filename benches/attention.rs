@@ -59,7 +59,7 @@ use burn_flash::{
 const USAGE: &str = "\
 usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
                  [--causal both|true|false] [--window LEFT] [--softcap CAP]
-                 [--mask keypad|full] [--bias heads]
+                 [--mask keypad|full] [--bias heads] [--dropout P]
                  [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
                  [--backend auto|cuda|wgpu] [--iters N] [--warmup N] [--sets N]
                  [--budget-ms MS] [--row-seconds S] [--modes fwd,fwdbwd] [--memory]
@@ -76,6 +76,7 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
            IMPL-mask; Burn's peers get it expanded to [b, h, n, n]. TFLOPS count all n² pairs.
 --bias:    heads, an additive bias per head ([1, h, n, n], as a relative-position bias), with
            its gradient in fwdbwd. Rows IMPL-bias; Burn's peers get it expanded.
+--dropout: attention dropout of probability P (burn-flash only; rows burn-flash-dropP).
 --peers:   a CSV of the same columns from another program on this device (torch_sdpa_bench.py),
            whose rows join the summary printed after the CSV.";
 
@@ -90,6 +91,7 @@ struct Args {
     hkv: usize,
     window: Option<usize>,
     softcap: Option<f64>,
+    dropout: Option<f64>,
     mask: Option<String>,
     bias: bool,
     causal: Vec<bool>,
@@ -132,6 +134,7 @@ fn parse_args() -> Args {
         hkv: 0,
         window: None,
         softcap: None,
+        dropout: None,
         mask: None,
         bias: false,
         causal: vec![false, true],
@@ -176,6 +179,7 @@ fn parse_args() -> Args {
             "--hkv" => args.hkv = number(&value) as usize,
             "--window" => args.window = Some(number(&value) as usize),
             "--softcap" => args.softcap = Some(number(&value)),
+            "--dropout" => args.dropout = Some(number(&value)),
             "--mask" => {
                 if !matches!(value.as_str(), "keypad" | "full") {
                     fail("--mask takes keypad or full");
@@ -465,6 +469,9 @@ fn run<B: FlashAttentionBackend>(
                 if let Some(cap) = args.softcap {
                     options = options.with_softcap(cap);
                 }
+                if let Some(prob) = args.dropout {
+                    options = options.with_dropout(prob, 7);
+                }
                 let forward_flops = 4.0 * (b * h * d) as f64 * pairs;
                 let flops = forward_flops * if mode == "fwdbwd" { 3.5 } else { 1.0 };
                 let prefix = format!(
@@ -485,13 +492,16 @@ fn run<B: FlashAttentionBackend>(
                     Err(e) => eprintln!("burn-flash refuses b {b} h {h} n {n} d {d}: {e}"),
                 }
                 for name in &args.impls {
-                    // Burn's attentions have neither windows nor a softcap.
+                    // Burn's attentions have neither windows, nor a softcap, nor dropout.
                     let mut variant = String::new();
                     if let Some(left) = args.window {
                         variant += &format!("-swa{left}");
                     }
                     if let Some(cap) = args.softcap {
                         variant += &format!("-cap{cap}");
+                    }
+                    if let Some(prob) = args.dropout {
+                        variant += &format!("-drop{prob}");
                     }
                     if !variant.is_empty() && name != "burn-flash" {
                         println!("# {name},{prefix},{mode} skipped: no{variant} variant");
