@@ -59,7 +59,7 @@ use burn_flash::{
 const USAGE: &str = "\
 usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
                  [--causal both|true|false] [--window LEFT] [--softcap CAP]
-                 [--mask keypad|full] [--bias heads] [--dropout P]
+                 [--mask keypad|full] [--bias heads] [--dropout P] [--alibi]
                  [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
                  [--backend auto|cuda|wgpu] [--iters N] [--warmup N] [--sets N]
                  [--budget-ms MS] [--row-seconds S] [--modes fwd,fwdbwd] [--memory]
@@ -77,6 +77,7 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
 --bias:    heads, an additive bias per head ([1, h, n, n], as a relative-position bias), with
            its gradient in fwdbwd. Rows IMPL-bias; Burn's peers get it expanded.
 --dropout: attention dropout of probability P (burn-flash only; rows burn-flash-dropP).
+--alibi:   ALiBi's biases computed in the kernel (burn-flash only; rows burn-flash-alibi).
 --peers:   a CSV of the same columns from another program on this device (torch_sdpa_bench.py),
            whose rows join the summary printed after the CSV.";
 
@@ -92,6 +93,7 @@ struct Args {
     window: Option<usize>,
     softcap: Option<f64>,
     dropout: Option<f64>,
+    alibi: bool,
     mask: Option<String>,
     bias: bool,
     causal: Vec<bool>,
@@ -135,6 +137,7 @@ fn parse_args() -> Args {
         window: None,
         softcap: None,
         dropout: None,
+        alibi: false,
         mask: None,
         bias: false,
         causal: vec![false, true],
@@ -162,6 +165,10 @@ fn parse_args() -> Args {
         }
         if flag == "--memory" {
             args.memory = true;
+            continue;
+        }
+        if flag == "--alibi" {
+            args.alibi = true;
             continue;
         }
         let value = it
@@ -472,6 +479,7 @@ fn run<B: FlashAttentionBackend>(
                 if let Some(prob) = args.dropout {
                     options = options.with_dropout(prob, 7);
                 }
+                options = options.with_alibi(args.alibi);
                 let forward_flops = 4.0 * (b * h * d) as f64 * pairs;
                 let flops = forward_flops * if mode == "fwdbwd" { 3.5 } else { 1.0 };
                 let prefix = format!(
@@ -492,7 +500,7 @@ fn run<B: FlashAttentionBackend>(
                     Err(e) => eprintln!("burn-flash refuses b {b} h {h} n {n} d {d}: {e}"),
                 }
                 for name in &args.impls {
-                    // Burn's attentions have neither windows, nor a softcap, nor dropout.
+                    // Burn's attentions have no window, softcap, dropout or ALiBi option.
                     let mut variant = String::new();
                     if let Some(left) = args.window {
                         variant += &format!("-swa{left}");
@@ -502,6 +510,9 @@ fn run<B: FlashAttentionBackend>(
                     }
                     if let Some(prob) = args.dropout {
                         variant += &format!("-drop{prob}");
+                    }
+                    if args.alibi {
+                        variant += "-alibi";
                     }
                     if !variant.is_empty() && name != "burn-flash" {
                         println!("# {name},{prefix},{mode} skipped: no{variant} variant");

@@ -53,6 +53,8 @@ pub struct Case {
     pub deterministic: bool,
     /// Dropout's probability and seed.
     pub dropout: Option<(f64, u64)>,
+    /// ALiBi's biases computed in the kernels.
+    pub alibi: bool,
 }
 
 impl Case {
@@ -64,6 +66,15 @@ impl Case {
             bias,
             deterministic: true,
             dropout: None,
+            alibi: false,
+        }
+    }
+
+    /// This case with ALiBi's biases.
+    pub fn with_alibi(self) -> Self {
+        Self {
+            alibi: true,
+            ..self
         }
     }
 
@@ -185,8 +196,8 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
     burn_flash::testing::poison_outputs(true);
     let p = case.problem;
     let label = format!(
-        "{dtype:?} {p} {} mask {:?} bias {:?} dropout {:?} deterministic {} seed {seed}",
-        case.spec, case.mask, case.bias, case.dropout, case.deterministic
+        "{dtype:?} {p} {} mask {:?} bias {:?} alibi {} dropout {:?} deterministic {} seed {seed}",
+        case.spec, case.mask, case.bias, case.alibi, case.dropout, case.deterministic
     );
     let inputs = Inputs::random(p, dtype, seed);
     let upstream = random_normal(p.out_dims().iter().product(), seed ^ 0xA5, dtype);
@@ -198,6 +209,7 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
     if let Some((prob, seed)) = case.dropout {
         options = options.with_dropout(prob, seed);
     }
+    options = options.with_alibi(case.alibi);
     let plan = flash_attention_plan(&q, &k, &v, options).unwrap();
     let mut failures = Vec::new();
     let expected = match tile {
@@ -245,6 +257,19 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
             .zip(bias.as_ref())
             .map(|(input, values)| expand(&p, input.dims, &widen(values))),
         keep: None,
+    };
+    // ALiBi adds to the bias input, if any.
+    let extra = if case.alibi {
+        let alibi = common::alibi_scores(&p);
+        Scores {
+            bias: Some(match extra.bias {
+                Some(bias) => bias.iter().zip(&alibi).map(|(b, a)| b + a).collect(),
+                None => alibi,
+            }),
+            ..extra
+        }
+    } else {
+        extra
     };
     let extra = match case.dropout {
         Some((prob, seed)) => extra.with_dropout(&p, prob, seed),
@@ -517,6 +542,44 @@ mod wgpu {
         );
     }
 
+    /// ALiBi's biases computed in the kernels, with the slopes of 6 heads (not a power of two:
+    /// the interleaved slopes) and GQA; then with the causal mask, a key-padding mask and a
+    /// bias input with its gradient (ALiBi adds none).
+    #[test]
+    fn alibi() {
+        check_all(
+            &[
+                Case::new(
+                    Problem::cross(2, 6, 37, 50, 16).grouped(3),
+                    Spec::from(false),
+                    MaskInput::None,
+                    None,
+                )
+                .with_alibi(),
+                Case::new(
+                    Problem::cross(1, 8, 50, 30, 16),
+                    Spec::from(false),
+                    MaskInput::None,
+                    None,
+                )
+                .with_alibi(),
+            ],
+            800,
+            Some(TilePath::Portable),
+        );
+        check_all(
+            &[Case::new(
+                Problem::square(3, 4, 40, 16),
+                Spec::from(true),
+                MaskInput::KeyPadding,
+                bias([1, 4, 40, 40], true),
+            )
+            .with_alibi()],
+            810,
+            Some(TilePath::Portable),
+        );
+    }
+
     /// The same seed draws the same mask, another seed another one, a probability of 0 is no
     /// dropout at all (bit for bit); a probability outside `[0, 1)` is refused, and so is
     /// dropout on inputs only the fallback can run.
@@ -572,16 +635,29 @@ mod wgpu {
     fn masks_and_bias_on_the_fallback() {
         check_all(
             // `features_on_the_fallback`'s shape: lavapipe reuses its matmul kernels.
-            &[Case::new(
-                Problem::cross(1, 4, 19, 23, 288).grouped(2),
-                Spec::from(true),
-                MaskInput::Full([1, 1, 19, 23]),
-                Some(BiasInput {
-                    dims: [1, 4, 19, 23],
-                    neg_inf: true,
-                    grad: true,
-                }),
-            )],
+            &[
+                Case::new(
+                    Problem::cross(1, 4, 19, 23, 288).grouped(2),
+                    Spec::from(true),
+                    MaskInput::Full([1, 1, 19, 23]),
+                    Some(BiasInput {
+                        dims: [1, 4, 19, 23],
+                        neg_inf: true,
+                        grad: true,
+                    }),
+                ),
+                Case::new(
+                    Problem::cross(1, 4, 19, 23, 288).grouped(2),
+                    Spec::from(false),
+                    MaskInput::None,
+                    Some(BiasInput {
+                        dims: [1, 4, 19, 23],
+                        neg_inf: false,
+                        grad: true,
+                    }),
+                )
+                .with_alibi(),
+            ],
             760,
             None,
         );
@@ -636,6 +712,25 @@ mod wgpu {
             burn_flash::FlashAttentionOptions::new(),
         );
         assert!(out.is_ok());
+    }
+}
+
+/// The library's ALiBi slopes (which the kernels compute the same way) are the paper's, for every
+/// head count up to 64.
+#[test]
+fn alibi_slopes_match_the_paper() {
+    for heads in 1..=64 {
+        let (got, want) = (
+            burn_flash::alibi_slopes(heads),
+            common::paper_alibi_slopes(heads),
+        );
+        assert_eq!(got.len(), heads);
+        for (h, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-12 * w,
+                "{heads} heads, head {h}: {g} against {w}"
+            );
+        }
     }
 }
 
@@ -829,6 +924,32 @@ mod cuda {
                 .with_dropout(0.5, 1 << 33),
             ],
             850,
+        );
+    }
+
+    /// ALiBi on the tensor cores: 12 heads causal at d 128, 6 heads (interleaved slopes) over 2
+    /// key/value heads with a bias gradient at d 64, not causal, more keys than queries.
+    #[test]
+    fn alibi_cuda() {
+        check_all(
+            "alibi_cuda",
+            &[
+                Case::new(
+                    Problem::square(1, 12, 200, 128),
+                    Spec::from(true),
+                    MaskInput::None,
+                    None,
+                )
+                .with_alibi(),
+                Case::new(
+                    Problem::cross(2, 6, 130, 260, 64).grouped(2),
+                    Spec::from(false),
+                    MaskInput::None,
+                    bias([1, 6, 130, 260]),
+                )
+                .with_alibi(),
+            ],
+            870,
         );
     }
 

@@ -178,7 +178,7 @@ fn kernels_match_the_f64_reference_and_each_other() {
 }
 
 /// Grouped heads (4 query heads over 2 key/value heads), causal with a sliding window, the
-/// softcap, key padding and a per-head bias, from the module's configuration and
+/// softcap, ALiBi, key padding and a per-head bias, from the module's configuration and
 /// `forward_masked`: each kernel against the f64 computation with the same options written
 /// from their definitions.
 #[test]
@@ -198,6 +198,7 @@ fn features_match_the_f64_reference() {
         .with_causal(true)
         .with_window_left(Some(6))
         .with_softcap(Some(3.0))
+        .with_alibi(true)
         .with_dropout(0.0)
         .init::<Wgpu>(&device);
     assert_eq!(module.key.weight.val().dims(), [D_MODEL, kv_heads * d_k]);
@@ -237,7 +238,8 @@ fn features_match_the_f64_reference() {
         ),
         bias: Some(
             (0..pairs)
-                .map(|at| bias[at % (heads * seq * seq)] as f64)
+                .zip(common::alibi_scores(&problem))
+                .map(|(at, alibi)| bias[at % (heads * seq * seq)] as f64 + alibi)
                 .collect(),
         ),
         keep: None,

@@ -447,6 +447,12 @@ fn fallback<B: FlashAttentionBackend>(
             .reshape([batch, heads, seq, dim])
     };
     let scores = [batch, heads, seq_q, seq_k];
+    let bias = if options.alibi {
+        let alibi = alibi_bias::<B>(heads, seq_q, seq_k, q.dtype(), &q.device()).expand(scores);
+        Some(bias.map_or(alibi.clone(), |bias| bias.expand(scores) + alibi))
+    } else {
+        bias
+    };
     // With a bias the causal mask joins the band, so that the bias can be zeroed on it too.
     let biased = bias.is_some();
     let band = (options.window.is_some() || (options.causal && biased)).then(|| {
@@ -475,6 +481,29 @@ fn fallback<B: FlashAttentionBackend>(
         None => (mask, None),
     };
     op(q, expand(k), expand(v), mask, bias, options.into())
+}
+
+/// ALiBi's bias `[1, heads, seq_q, seq_k]`, `−slope_h · |j − (i + seq_k − seq_q)|`, in `dtype`.
+fn alibi_bias<B: FlashAttentionBackend>(
+    heads: usize,
+    seq_q: usize,
+    seq_k: usize,
+    dtype: DType,
+    device: &Device<B>,
+) -> Tensor<B, 4> {
+    let values: Vec<f32> = crate::alibi_slopes(heads)
+        .into_iter()
+        .flat_map(|slope| {
+            (0..seq_q * seq_k).map(move |at| {
+                let (i, j) = ((at / seq_k) as f64, (at % seq_k) as f64);
+                (-slope * (j - (i + seq_k as f64 - seq_q as f64)).abs()) as f32
+            })
+        })
+        .collect();
+    Tensor::from_data(
+        TensorData::new(values, [1, heads, seq_q, seq_k]),
+        (device, dtype),
+    )
 }
 
 /// An attention function with the signature of Burn's `module::attention` and

@@ -61,4 +61,4 @@ pub use backend::{
 };
 pub use error::FlashAttentionError;
 pub use kernel::TilePath;
-pub use options::{AttentionDropout, AttentionWindow, FlashAttentionOptions};
+pub use options::{AttentionDropout, AttentionWindow, FlashAttentionOptions, alibi_slopes};

@@ -57,7 +57,7 @@ pub enum AttentionKernel {
 
 /// Configuration of a [`FlashMultiHeadAttention`]; the fields of Burn's
 /// `MultiHeadAttentionConfig` that apply, plus the attention features (`causal`, `n_kv_heads`,
-/// `window_left`/`window_right`, `softcap`), `bias` and `kernel`.
+/// `window_left`/`window_right`, `softcap`, `alibi`), `bias` and `kernel`.
 ///
 /// # Example
 ///
@@ -101,6 +101,9 @@ pub struct FlashMultiHeadAttentionConfig {
     /// `None`: no cap.
     #[config(default = "None")]
     pub softcap: Option<f64>,
+    /// Add ALiBi's linear biases (the paper's slopes for `n_heads`), computed in the kernel.
+    #[config(default = false)]
+    pub alibi: bool,
     /// Dropout probability of the attention probabilities, in training (see the module's
     /// documentation); Burn's default.
     #[config(default = 0.1)]
@@ -197,7 +200,9 @@ impl FlashMultiHeadAttentionConfig {
                 .with_initializer(self.initializer.clone())
                 .init(device)
         };
-        let mut options = FlashAttentionOptions::new().with_causal(self.causal);
+        let mut options = FlashAttentionOptions::new()
+            .with_causal(self.causal)
+            .with_alibi(self.alibi);
         if self.window_left.is_some() || self.window_right.is_some() {
             options =
                 options.with_window(AttentionWindow::new(self.window_left, self.window_right));

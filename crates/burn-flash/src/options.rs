@@ -3,7 +3,7 @@
 use burn::tensor::ops::AttentionModuleOptions;
 
 /// Options of [`flash_attention`](crate::flash_attention): causal masking, sliding window, the
-/// softmax scale, the softcap, dropout, and whether the backward must be deterministic.
+/// softmax scale, the softcap, ALiBi, dropout, and whether the backward must be deterministic.
 ///
 /// The conventions are those of Burn's `burn::tensor::module::attention`:
 ///
@@ -19,6 +19,10 @@ use burn::tensor::ops::AttentionModuleOptions;
 ///   [`AttentionWindow`]. Combined with `causal`, the band ends at the diagonal.
 /// - `softcap`: scores become `softcap · tanh(scale · q·k / softcap)` before the softmax
 ///   (Gemma-2), as Burn's `AttentionModuleOptions::softcap`. It must be finite and positive.
+/// - `alibi`: ALiBi's linear biases, `−slope_h · |j − diag(i)|` added to the scaled scores of
+///   query head `h` (with the causal mask, `slope_h · (j − diag(i))`, as in the paper), the
+///   slopes of Press et al. for the query head count ([`alibi_slopes`]). Computed in the
+///   kernels from the head index: nothing is read, and it combines with a bias input.
 /// - `dropout`: each attention probability is zeroed with probability `prob` and the kept ones
 ///   are scaled by `1 / (1 − prob)`, after the softmax (the normaliser and the saved
 ///   log-sum-exp are those of the whole row), as PyTorch's and FlashAttention's dropout. The
@@ -31,7 +35,7 @@ use burn::tensor::ops::AttentionModuleOptions;
 ///   slower today (forward+backward 147 against 205 TFLOPS at d 128, n 8192:
 ///   `docs/perf-notes.md`), hence the default.
 ///
-/// The default is not causal, no window, the default scale, no softcap, no dropout,
+/// The default is not causal, no window, the default scale, no softcap, no ALiBi, no dropout,
 /// deterministic dQ. The type may gain fields: build it with [`new`](Self::new) or
 /// [`causal`](Self::causal) and the `with_*` methods.
 ///
@@ -56,6 +60,8 @@ pub struct FlashAttentionOptions {
     pub window: Option<AttentionWindow>,
     /// Cap the scaled scores at `±softcap` through `softcap · tanh(s / softcap)`; `None`: no cap.
     pub softcap: Option<f64>,
+    /// Add ALiBi's linear biases with the standard slopes for the query head count.
+    pub alibi: bool,
     /// Drop attention probabilities; `None` (or a probability of 0): no dropout.
     pub dropout: Option<AttentionDropout>,
     /// The backward sums dQ in its own launch in a fixed order (`true`, the default) or by
@@ -70,6 +76,7 @@ impl Default for FlashAttentionOptions {
             scale: None,
             window: None,
             softcap: None,
+            alibi: false,
             dropout: None,
             deterministic: true,
         }
@@ -306,6 +313,21 @@ impl FlashAttentionOptions {
         self
     }
 
+    /// These options with ALiBi's linear biases on or off (see the type's documentation).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::FlashAttentionOptions;
+    ///
+    /// let options = FlashAttentionOptions::causal().with_alibi(true);
+    /// assert!(options.alibi);
+    /// ```
+    pub fn with_alibi(mut self, alibi: bool) -> Self {
+        self.alibi = alibi;
+        self
+    }
+
     /// These options with dropout of probability `prob` (in `[0, 1)`, checked when the attention
     /// runs) drawn from `seed`; see [`AttentionDropout`].
     ///
@@ -371,9 +393,40 @@ impl FlashAttentionOptions {
     }
 }
 
+/// ALiBi's slopes for `heads` query heads (Press et al., "Train Short, Test Long"): with `n` the
+/// largest power of two not above `heads`, head `h < n` has `2^(−8 (h + 1) / n)` and the others
+/// take every other slope of `2n` heads, `2^(−4 (2 (h − n) + 1) / n)`. The kernels compute the
+/// same in f32 from the head index.
+///
+/// # Example
+///
+/// ```
+/// use burn_flash::alibi_slopes;
+///
+/// assert_eq!(alibi_slopes(4), [0.25, 0.0625, 0.015625, 0.00390625]);
+/// assert_eq!(alibi_slopes(2)[0], 2f64.powi(-4));
+/// ```
+pub fn alibi_slopes(heads: usize) -> Vec<f64> {
+    if heads == 0 {
+        return Vec::new();
+    }
+    let n = (1usize << heads.ilog2()) as f64;
+    (0..heads)
+        .map(|h| {
+            let h = h as f64;
+            if h < n {
+                2f64.powf(-8.0 * (h + 1.0) / n)
+            } else {
+                2f64.powf(-4.0 * (2.0 * (h - n) + 1.0) / n)
+            }
+        })
+        .collect()
+}
+
 impl From<FlashAttentionOptions> for AttentionModuleOptions {
     /// The options of Burn's own attention that it shares: scale, causal, softcap. Burn has no
-    /// window option: a window becomes a mask (see [`FlashAttentionOptions::sees`]).
+    /// window, ALiBi or dropout option: a window becomes a mask (see
+    /// [`FlashAttentionOptions::sees`]), ALiBi a bias ([`alibi_slopes`]).
     ///
     /// # Example
     ///

@@ -196,6 +196,44 @@ pub struct Scores {
     pub keep: Option<Vec<f64>>,
 }
 
+/// ALiBi's slopes for `n` heads as the paper's code (`get_slopes` of ofirpress/attention_with_linear_biases)
+/// computes them: a geometric sequence from `2^(−8/n)` for a power of two, else the sequence of
+/// the largest power of two below `n` followed by every other slope of twice that.
+pub fn paper_alibi_slopes(n: usize) -> Vec<f64> {
+    let geometric = |n: usize| {
+        let start = 2f64.powf(-(2f64.powf(-((n as f64).log2() - 3.0))));
+        (0..n)
+            .map(|i| start * start.powi(i as i32))
+            .collect::<Vec<_>>()
+    };
+    if n.is_power_of_two() {
+        return geometric(n);
+    }
+    let below = 1 << n.ilog2();
+    let mut slopes = geometric(below);
+    slopes.extend(
+        paper_alibi_slopes(2 * below)
+            .into_iter()
+            .step_by(2)
+            .take(n - below),
+    );
+    slopes
+}
+
+/// ALiBi's bias over the full scores `[batch, heads, seq_q, seq_k]`: `−slope_h · |j − diag(i)|`,
+/// `diag(i) = i + seq_k − seq_q`.
+pub fn alibi_scores(p: &Problem) -> Vec<f64> {
+    let slopes = paper_alibi_slopes(p.heads);
+    let (sq, sk) = (p.seq_q, p.seq_k);
+    (0..p.batch * p.heads * sq * sk)
+        .map(|at| {
+            let (h, i, j) = (at / (sq * sk) % p.heads, at / sk % sq, at % sk);
+            let diag = i as f64 + sk as f64 - sq as f64;
+            -slopes[h] * (j as f64 - diag).abs()
+        })
+        .collect()
+}
+
 /// `lowbias32` (C. Wellons), as `docs/features.md` specifies dropout's generator.
 fn lowbias32(value: u32) -> u32 {
     let mut x = value;

@@ -100,6 +100,6 @@ fn score_params<R: CubeRuntime>(
     k: &CubeTensor<R>,
     options: &FlashAttentionOptions,
 ) -> kernel::ScoreParams {
-    let ([_, _, seq_q, head_dim], [_, _, seq_k, _]) = (q.shape().dims(), k.shape().dims());
-    kernel::ScoreParams::new(options, head_dim, seq_q, seq_k)
+    let ([_, heads, seq_q, head_dim], [_, _, seq_k, _]) = (q.shape().dims(), k.shape().dims());
+    kernel::ScoreParams::new(options, heads, head_dim, seq_q, seq_k)
 }

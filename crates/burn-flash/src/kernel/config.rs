@@ -54,6 +54,8 @@ pub struct TileConfig {
     pub softcap: bool,
     /// Probabilities are dropped and the kept ones rescaled ([`dropout`](super::dropout)).
     pub dropout: bool,
+    /// ALiBi's bias is added to the scores ([`alibi_slope`](super::inputs::alibi_slope)).
+    pub alibi: bool,
     /// The dK/dV launch also adds each staged query block's dQ with f32 atomics (and needs a
     /// `block_q × block_kv` scratch tile on the tensor-core tile to transpose dS).
     pub atomic_dq: bool,
@@ -98,6 +100,7 @@ impl TileConfig {
             bias_grad: false,
             softcap: false,
             dropout: false,
+            alibi: false,
             atomic_dq: false,
         }
     }
@@ -119,6 +122,7 @@ impl TileConfig {
             bias_grad: false,
             softcap: false,
             dropout: false,
+            alibi: false,
             atomic_dq: false,
         }
     }
@@ -130,6 +134,7 @@ impl TileConfig {
             bias: params.bias,
             softcap: params.softcap.is_some(),
             dropout: params.dropout.is_some(),
+            alibi: params.alibi_pow2.is_some(),
             ..self
         }
     }
@@ -317,6 +322,8 @@ pub struct ScoreParams {
     pub softcap: Option<f32>,
     /// Dropout of the probabilities, if any.
     pub dropout: Option<DropoutParams>,
+    /// With ALiBi, the largest power of two not above the query head count (its slopes' base).
+    pub alibi_pow2: Option<u32>,
 }
 
 /// The launch arguments of dropout: the seed's halves and the keep threshold out of 2¹⁶.
@@ -328,12 +335,13 @@ pub struct DropoutParams {
 }
 
 impl ScoreParams {
-    /// The kernel view of `options` for queries of `seq_q` rows over `seq_k` keys with this
-    /// head dim, without mask or bias inputs (see [`with_inputs`](Self::with_inputs)). A window
+    /// The kernel view of `options` for `heads` query heads of `seq_q` rows over `seq_k` keys
+    /// with this head dim, without mask or bias inputs (see [`with_inputs`](Self::with_inputs)). A window
     /// side too wide to hide any key is dropped, so the kernels neither mask nor skip for it, and
     /// kept offsets stay below `seq_q + seq_k` (no index overflow).
     pub fn new(
         options: &crate::FlashAttentionOptions,
+        heads: usize,
         head_dim: usize,
         seq_q: usize,
         seq_k: usize,
@@ -369,6 +377,7 @@ impl ScoreParams {
                     seed_hi: (d.seed >> 32) as u32,
                     threshold: d.keep_threshold(),
                 }),
+            alibi_pow2: (options.alibi && heads > 0).then(|| 1 << heads.ilog2()),
         }
     }
 

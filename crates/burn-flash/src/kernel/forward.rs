@@ -11,7 +11,7 @@ use cubecl::prelude::*;
 use super::TilePath;
 use super::config::TileConfig;
 use super::dropout::{Dropout, keep_mask};
-use super::inputs::{Views, add_bias};
+use super::inputs::{Views, add_bias, alibi_slope};
 use super::mask::{Band, apply_mask, kv_blocks};
 use super::softmax::{RowStats, Softcap, finish, init_stats, online_update, softcap_scores};
 use super::stage::{StageBarriers, fetch_stage, load_block};
@@ -31,6 +31,8 @@ struct Coords {
     batch: usize,
     head: usize,
     dropout: Dropout,
+    /// ALiBi's slope of this head over the scale.
+    alibi: f32,
     inv_scale: f32,
     /// `-inf`, passed in because WGSL has no literal for it.
     neg_inf: f32,
@@ -58,6 +60,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     dropout_seed_lo: u32,
     dropout_seed_hi: u32,
     dropout_threshold: u32,
+    alibi_pow2: u32,
     #[comptime] cfg: TileConfig,
     #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
@@ -81,6 +84,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
             q.shape(1),
             k.shape(2),
         ),
+        alibi: alibi_slope(head, alibi_pow2) / scale,
         inv_scale: 1.0 / scale,
         neg_inf,
     };
@@ -162,6 +166,7 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
         coords.q_start,
         kv_start,
         coords.inv_scale,
+        coords.alibi,
         false,
         cfg,
     );

@@ -5,7 +5,7 @@
 //!
 //! The bias is added to the raw (unscaled, softcapped) scores divided by the scale, so that
 //! everything downstream, which multiplies by the scale, sees `scale · s + bias` as Burn's
-//! attention defines it.
+//! attention defines it. ALiBi's bias, `−slope · |key − diagonal|`, is computed instead of read.
 
 use cubecl::prelude::*;
 
@@ -107,7 +107,8 @@ pub fn pair_of<E: Float, T: AttentionTile<E>>(
 }
 
 /// Add `bias / scale` to the raw scores of the block (`inv_scale = 1 / scale`), if a bias is
-/// given.
+/// given, and ALiBi's `−slope · |key − diagonal| / scale` (`alibi` = `slope / scale`) if
+/// `cfg.alibi`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn add_bias<E: Float, T: AttentionTile<E>>(
@@ -118,9 +119,20 @@ pub fn add_bias<E: Float, T: AttentionTile<E>>(
     q_start: usize,
     kv_start: usize,
     inv_scale: f32,
+    alibi: f32,
     #[comptime] transposed: bool,
     #[comptime] cfg: TileConfig,
 ) {
+    if comptime!(cfg.alibi) {
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let (query, key) = pair_of::<E, T>(q_start, kv_start, reg, transposed, cfg);
+            // |key − (query + seq_k − seq_q)|, kept unsigned.
+            let (right, left) = (key + band.seq_q, query + band.seq_k);
+            let distance = select(right > left, right - left, left - right);
+            scores[reg] -= alibi * f32::cast_from(distance);
+        }
+    }
     #[comptime]
     if let ComptimeOption::Some(bias) = bias {
         #[unroll]
@@ -129,6 +141,21 @@ pub fn add_bias<E: Float, T: AttentionTile<E>>(
             scores[reg] += f32::cast_from(bias[element(at, band, query, key)]) * inv_scale;
         }
     }
+}
+
+/// ALiBi's slope of query head `head` (Press et al.'s slopes for `heads` heads, `pow2` the
+/// largest power of two not above `heads`): `2^(−8 (h + 1) / pow2)` for the first `pow2` heads,
+/// then every other slope of `2 · pow2` heads, `2^(−4 (2 (h − pow2) + 1) / pow2)`.
+#[cube]
+pub fn alibi_slope(head: usize, pow2: u32) -> f32 {
+    let c = f32::cast_from(pow2);
+    let h = f32::cast_from(head);
+    let exponent = select(
+        head < pow2 as usize,
+        -8.0 * (h + 1.0) / c,
+        -4.0 * (2.0 * (h - c) + 1.0) / c,
+    );
+    (exponent * core::f32::consts::LN_2).exp()
 }
 
 /// Write the scores' gradient of the block (queries in rows) into `d_bias`

@@ -218,6 +218,7 @@ pub fn forward<R: CubeRuntime>(
                 seed_lo,
                 seed_hi,
                 threshold,
+                params.alibi_pow2.unwrap_or(1),
                 cfg,
                 dtypes,
             ),
@@ -241,6 +242,7 @@ pub fn forward<R: CubeRuntime>(
                 seed_lo,
                 seed_hi,
                 threshold,
+                params.alibi_pow2.unwrap_or(1),
                 cfg,
                 dtypes,
             ),
@@ -422,7 +424,7 @@ mod tests {
                 k.into_primitive().tensor(),
                 v.into_primitive().tensor(),
                 super::ScoreInputs::new(None, None),
-                crate::kernel::ScoreParams::new(&options, d, sq, sk),
+                crate::kernel::ScoreParams::new(&options, 1, d, sq, sk),
             );
             let out = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(out));
             let got = out.to_data().to_vec::<f32>().unwrap();

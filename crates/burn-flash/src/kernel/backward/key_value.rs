@@ -35,6 +35,7 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>>(
     dropout_seed_lo: u32,
     dropout_seed_hi: u32,
     dropout_threshold: u32,
+    alibi_pow2: u32,
     #[comptime] cfg: TileConfig,
     #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
@@ -93,6 +94,7 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>>(
             q.shape(1),
             k.shape(2),
         ),
+        alibi_pow2,
     };
     // Owning keys, the bias gradient is left to the dQ launch.
     let mut no_bias_grad = ComptimeOption::<Tensor<E>>::new_None();

@@ -167,6 +167,7 @@ pub fn backward<R: CubeRuntime>(
     };
     let softcap = params.softcap.unwrap_or(1.0);
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
+    let alibi_pow2 = params.alibi_pow2.unwrap_or(1);
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernels form is
     // bounded by the tensors' shapes (rows past the ends are clamped, zero-filled or skipped).
@@ -217,6 +218,7 @@ pub fn backward<R: CubeRuntime>(
                         seed_lo,
                         seed_hi,
                         threshold,
+                        alibi_pow2,
                         cfg,
                         dtypes,
                     );
@@ -257,6 +259,7 @@ pub fn backward<R: CubeRuntime>(
                         seed_lo,
                         seed_hi,
                         threshold,
+                        alibi_pow2,
                         cfg,
                         dtypes,
                     );

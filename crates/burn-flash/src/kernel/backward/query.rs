@@ -31,6 +31,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     dropout_seed_lo: u32,
     dropout_seed_hi: u32,
     dropout_threshold: u32,
+    alibi_pow2: u32,
     #[comptime] cfg: TileConfig,
     #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
@@ -49,6 +50,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
             q.shape(1),
             k.shape(2),
         ),
+        alibi_pow2,
     };
     let query_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
     let grad_cfg = comptime!(cfg.with_widths(cfg.value_dim, cfg.value_dim));

@@ -14,7 +14,9 @@ use cubecl::prelude::*;
 use crate::kernel::TilePath;
 use crate::kernel::config::TileConfig;
 use crate::kernel::dropout::{Dropout, keep_mask};
-use crate::kernel::inputs::{Views, add_bias, mask_input_allows, pair_of, write_bias_grad};
+use crate::kernel::inputs::{
+    Views, add_bias, alibi_slope, mask_input_allows, pair_of, write_bias_grad,
+};
 use crate::kernel::mask::{Band, block_needs_mask, key_visible};
 use crate::kernel::softmax::Softcap;
 use crate::kernel::stage::{StageBarriers, fetch_stage, load_block};
@@ -29,6 +31,8 @@ pub struct Span {
     pub softcap: Softcap,
     pub inv_scale: f32,
     pub dropout: Dropout,
+    /// The largest power of two not above the query head count (ALiBi's slopes).
+    pub alibi_pow2: u32,
 }
 
 /// The staged side of a walk: blocks `[first_block, end_block)` of `first` (the score product's
@@ -350,6 +354,7 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>>(
         q_start,
         kv_start,
         span.inv_scale,
+        alibi_slope(head, span.alibi_pow2) * span.inv_scale,
         owns_keys,
         cfg,
     );
