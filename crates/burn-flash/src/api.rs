@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use burn::tensor::module::attention_fallback;
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Bool, DType, Device, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData, TensorPrimitive};
 
 use crate::backend::{FlashAttentionBackend, FlashAttentionProblem, ScoreInputs};
 use crate::{FlashAttentionError, FlashAttentionOptions, TilePath};
@@ -282,19 +282,14 @@ pub fn try_flash_attention_masked<B: FlashAttentionBackend>(
     bias: Option<Tensor<B, 4>>,
     options: FlashAttentionOptions,
 ) -> Result<Tensor<B, 4>, FlashAttentionError> {
-    let Plan {
-        problem: p,
-        scale,
-        route,
-    } = plan(&q, &k, &v, options)?;
+    let (
+        Plan {
+            problem: p, route, ..
+        },
+        mask,
+        options,
+    ) = checked(&q, &k, &v, mask, bias.as_ref(), options)?;
     let device = q.device();
-    let mask = mask
-        .map(|mask| validate_mask(mask, &p, &device))
-        .transpose()?;
-    if let Some(bias) = &bias {
-        validate_bias(bias, &p, &device)?;
-    }
-    let options = options.with_scale(scale);
     if route == FlashAttentionPlan::Zeros {
         let shape = [p.batch, p.heads, p.seq_q, p.value_dim];
         return Ok(Tensor::zeros(shape, (&device, p.dtype)));
@@ -483,7 +478,8 @@ fn fallback<B: FlashAttentionBackend>(
     op(q, expand(k), expand(v), mask, bias, options.into())
 }
 
-/// ALiBi's bias `[1, heads, seq_q, seq_k]`, `−slope_h · |j − (i + seq_k − seq_q)|`, in `dtype`.
+/// ALiBi's bias `[1, heads, seq_q, seq_k]`, `−slope_h · |j − (i + seq_k − seq_q)|`, in `dtype`,
+/// formed on the device from the slopes and the key and diagonal positions.
 fn alibi_bias<B: FlashAttentionBackend>(
     heads: usize,
     seq_q: usize,
@@ -491,19 +487,17 @@ fn alibi_bias<B: FlashAttentionBackend>(
     dtype: DType,
     device: &Device<B>,
 ) -> Tensor<B, 4> {
-    let values: Vec<f32> = crate::alibi_slopes(heads)
+    let slopes: Vec<f32> = crate::alibi_slopes(heads)
         .into_iter()
-        .flat_map(|slope| {
-            (0..seq_q * seq_k).map(move |at| {
-                let (i, j) = ((at / seq_k) as f64, (at % seq_k) as f64);
-                (-slope * (j - (i + seq_k as f64 - seq_q as f64)).abs()) as f32
-            })
-        })
+        .map(|slope| -slope as f32)
         .collect();
-    Tensor::from_data(
-        TensorData::new(values, [1, heads, seq_q, seq_k]),
-        (device, dtype),
-    )
+    let slopes = Tensor::<B, 1>::from_data(TensorData::new(slopes, [heads]), (device, DType::F32));
+    let keys = Tensor::<B, 1, Int>::arange(0..seq_k as i64, device).float();
+    let diagonals = Tensor::<B, 1, Int>::arange(0..seq_q as i64, device)
+        .float()
+        .add_scalar(seq_k as f64 - seq_q as f64);
+    let distance = (keys.unsqueeze::<2>() - diagonals.unsqueeze_dim::<2>(1)).abs();
+    (slopes.reshape([1, heads, 1, 1]) * distance.unsqueeze::<4>()).cast(dtype)
 }
 
 /// An attention function with the signature of Burn's `module::attention` and
@@ -549,21 +543,33 @@ pub(crate) fn burn_attention<B: FlashAttentionBackend>(
     options: FlashAttentionOptions,
     op: impl BurnAttention<B>,
 ) -> Tensor<B, 4> {
-    let checked = || -> Result<_, FlashAttentionError> {
-        let Plan { problem, scale, .. } = plan(&q, &k, &v, options)?;
-        let device = q.device();
-        let mask = mask
-            .map(|mask| validate_mask(mask, &problem, &device))
-            .transpose()?;
-        if let Some(bias) = &bias {
-            validate_bias(bias, &problem, &device)?;
-        }
-        Ok((mask, options.with_scale(scale)))
-    };
-    match checked() {
-        Ok((mask, options)) => fallback(q, k, v, mask, bias, options, op),
+    match checked(&q, &k, &v, mask, bias.as_ref(), options) {
+        Ok((_, mask, options)) => fallback(q, k, v, mask, bias, options, op),
         Err(error) => panic!("{error}"),
     }
+}
+
+/// A call's plan once every input is checked, the mask as the kernels take it, and the options
+/// with the resolved scale.
+#[allow(clippy::type_complexity)]
+fn checked<B: FlashAttentionBackend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    mask: Option<AttentionMask<B>>,
+    bias: Option<&Tensor<B, 4>>,
+    options: FlashAttentionOptions,
+) -> Result<(Plan, Option<Tensor<B, 4, Bool>>, FlashAttentionOptions), FlashAttentionError> {
+    let plan = plan(q, k, v, options)?;
+    let device = q.device();
+    let mask = mask
+        .map(|mask| validate_mask(mask, &plan.problem, &device))
+        .transpose()?;
+    if let Some(bias) = bias {
+        validate_bias(bias, &plan.problem, &device)?;
+    }
+    let options = options.with_scale(plan.scale);
+    Ok((plan, mask, options))
 }
 
 /// A validated call: the problem the backend sees, the resolved scale and the path.
