@@ -959,8 +959,9 @@ mod cuda {
         check_all(
             "boolean_masks_cuda",
             &[
+                // 208 keys: staged (one row of keys per block); 300 keys: read in place.
                 Case::new(
-                    Problem::cross(3, 2, 130, 200, 64),
+                    Problem::cross(3, 2, 130, 208, 64),
                     Spec::from(false),
                     MaskInput::KeyPadding,
                     None,
@@ -977,14 +978,22 @@ mod cuda {
                     MaskInput::Full([2, 2, 150, 150]),
                     None,
                 ),
+                // Key counts that are multiples of 16: the forward stages these masks in shared
+                // memory (the last KV block and query block cross the sequences' ends).
                 Case::new(
-                    Problem::cross(1, 4, 140, 260, 64).grouped(2),
+                    Problem::cross(2, 2, 150, 208, 128),
+                    Spec::from(true),
+                    MaskInput::Full([2, 2, 150, 208]),
+                    None,
+                ),
+                Case::new(
+                    Problem::cross(1, 4, 140, 256, 64).grouped(2),
                     Spec {
                         left: Some(90),
                         right: Some(20),
                         ..Spec::default()
                     },
-                    MaskInput::Full([1, 1, 140, 260]),
+                    MaskInput::Full([1, 1, 140, 256]),
                     None,
                 ),
             ],
@@ -1016,6 +1025,30 @@ mod cuda {
                     Spec::from(false),
                     MaskInput::None,
                     bias([2, 2, 140, 140]),
+                ),
+                // Key counts that are multiples of 8: the forward stages these biases in shared
+                // memory; at d 256 only the mask fits beside the K/V stages.
+                Case::new(
+                    Problem::cross(2, 2, 140, 144, 64),
+                    Spec::from(false),
+                    MaskInput::None,
+                    bias([2, 2, 140, 144]),
+                ),
+                Case::new(
+                    Problem::square(2, 2, 192, 128),
+                    Spec::from(true),
+                    MaskInput::KeyPadding,
+                    Some(BiasInput {
+                        dims: [2, 2, 192, 192],
+                        neg_inf: true,
+                        grad: true,
+                    }),
+                ),
+                Case::new(
+                    Problem::square(1, 2, 160, 256),
+                    Spec::from(false),
+                    MaskInput::Full([1, 2, 160, 160]),
+                    bias([1, 1, 160, 160]),
                 ),
                 atomic,
                 Case::new(

@@ -258,7 +258,7 @@ pub fn dropout_keeps(seed: u64, prob: f64, bh: usize, i: usize, j: usize, seq_k:
     let counter = (i as u32)
         .wrapping_mul(seq_k.div_ceil(2) as u32)
         .wrapping_add((j / 2) as u32);
-    let bits = lowbias32(counter ^ head_key);
+    let bits = lowbias32(counter.wrapping_add(head_key));
     let half = if j.is_multiple_of(2) {
         bits & 0xFFFF
     } else {

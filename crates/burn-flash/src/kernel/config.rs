@@ -59,6 +59,20 @@ pub struct TileConfig {
     /// The dK/dV launch also adds each staged query block's dQ with f32 atomics (and needs a
     /// `block_q × block_kv` scratch tile on the tensor-core tile to transpose dS).
     pub atomic_dq: bool,
+    /// Which score inputs the tensor-core forward stages in shared memory.
+    pub staged: Staged,
+}
+
+/// Score inputs (a per-pair mask, a bias) the tensor-core forward stages in shared memory: each
+/// KV block's `block_q × block_kv` block of them is copied asynchronously beside its keys and
+/// values, so the units read it from shared memory, its latency hidden behind the previous
+/// block's math, instead of waiting on global memory where each score register sits (the bias
+/// with `ldmatrix`, straight into the score layout). Each is the input's elements per 16-byte
+/// chunk when staged.
+#[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
+pub struct Staged {
+    pub mask: Option<usize>,
+    pub bias: Option<usize>,
 }
 
 /// Which bounds hide keys around the diagonal (see [`mask`](super::mask)), and whether a boolean
@@ -102,6 +116,7 @@ impl TileConfig {
             dropout: false,
             alibi: false,
             atomic_dq: false,
+            staged: Staged::default(),
         }
     }
 
@@ -124,6 +139,7 @@ impl TileConfig {
             dropout: false,
             alibi: false,
             atomic_dq: false,
+            staged: Staged::default(),
         }
     }
 
@@ -137,6 +153,11 @@ impl TileConfig {
             alibi: params.alibi_pow2.is_some(),
             ..self
         }
+    }
+
+    /// These blocks with the score inputs of `staged` staged in shared memory.
+    pub fn with_staged(self, staged: Staged) -> Self {
+        Self { staged, ..self }
     }
 
     /// These blocks writing the bias gradient from the dQ launch (`true`) or not.
@@ -262,6 +283,23 @@ impl TileConfig {
         self.stride(self.value_dim)
     }
 
+    /// Rows of a staged mask block: one where the mask is the same for every query.
+    pub fn mask_rows(&self) -> usize {
+        if self.mask.per_key { 1 } else { self.block_q }
+    }
+
+    /// Bytes of the two stages of each staged score input (`rows × block_kv` elements of
+    /// `16 / chunk` bytes each).
+    fn staged_bytes(&self) -> usize {
+        let mask = self.staged.mask.map(|chunk| (self.mask_rows(), chunk));
+        let bias = self.staged.bias.map(|chunk| (self.block_q, chunk));
+        [mask, bias]
+            .into_iter()
+            .flatten()
+            .map(|(rows, chunk)| 2 * rows * self.block_kv * (16 / chunk))
+            .sum()
+    }
+
     /// Bytes of shared memory one cube uses.
     pub fn shared_bytes(&self, elem_size: usize) -> usize {
         let stages = match self.tile {
@@ -274,6 +312,7 @@ impl TileConfig {
             0
         };
         (query + stages * self.block_kv * (self.head_stride() + self.value_stride())) * elem_size
+            + self.staged_bytes()
     }
 
     /// Bytes of shared memory one backward cube uses: the forward's, plus the second owned

@@ -11,7 +11,7 @@ use cubecl::prelude::*;
 use super::TilePath;
 use super::config::TileConfig;
 use super::dropout::{Dropout, keep_mask};
-use super::inputs::{Views, add_bias, alibi_slope};
+use super::inputs::{Views, add_bias, alibi_slope, fetch_inputs, input_stages};
 use super::mask::{Band, apply_mask, kv_blocks};
 use super::softmax::{RowStats, Softcap, finish, init_stats, online_update, softcap_scores};
 use super::stage::{StageBarriers, fetch_stage, load_block};
@@ -28,9 +28,9 @@ struct Coords {
     softcap: Softcap,
     /// Where this (batch, head) reads the mask and bias inputs.
     views: Views,
-    batch: usize,
-    head: usize,
     dropout: Dropout,
+    /// Dropout's key of this (batch, head).
+    head_key: u32,
     /// ALiBi's slope of this head over the scale.
     alibi: f32,
     inv_scale: f32,
@@ -67,6 +67,13 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     let batch = CUBE_POS_Z as usize;
     let head = CUBE_POS_Y as usize;
     let kv_head = head / (q.shape(1) / k.shape(1));
+    let dropout = Dropout::new(
+        dropout_seed_lo,
+        dropout_seed_hi,
+        dropout_threshold,
+        q.shape(1),
+        k.shape(2),
+    );
     let coords = Coords {
         q_base: batch * q.stride(0) + head * q.stride(1),
         k_base: batch * k.stride(0) + kv_head * k.stride(1),
@@ -75,15 +82,8 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         band: Band::new(q, k, band_left, band_right),
         softcap: Softcap::new(scale, softcap),
         views: Views::new::<E, M>(mask, bias, batch, head),
-        batch,
-        head,
-        dropout: Dropout::new(
-            dropout_seed_lo,
-            dropout_seed_hi,
-            dropout_threshold,
-            q.shape(1),
-            k.shape(2),
-        ),
+        dropout,
+        head_key: dropout.head_key(batch, head),
         alibi: alibi_slope(head, alibi_pow2) / scale,
         inv_scale: 1.0 / scale,
         neg_inf,
@@ -137,13 +137,16 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     }
 }
 
-/// Scores, bias, masking, online softmax and P·V for the KV block staged at `stage`.
+/// Scores, bias, masking, online softmax and P·V for the KV block staged at `stage` (with its
+/// mask and bias blocks, where those are staged).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     query: &T::Query,
     mask: &ComptimeOption<Tensor<M>>,
     bias: &ComptimeOption<Tensor<E>>,
+    mask_stages: &ComptimeOption<SharedMemory<M>>,
+    bias_stages: &ComptimeOption<SharedMemory<E>>,
     keys: &SharedMemory<E>,
     values: &SharedMemory<E>,
     stage: usize,
@@ -161,6 +164,8 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     add_bias::<E, T>(
         &mut scores,
         bias,
+        bias_stages,
+        stage * comptime!(cfg.block_q * cfg.block_kv),
         coords.views.bias,
         coords.band,
         coords.q_start,
@@ -173,6 +178,8 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     apply_mask::<E, M, T>(
         &mut scores,
         mask,
+        mask_stages,
+        stage * comptime!(cfg.mask_rows() * cfg.block_kv),
         coords.views.mask,
         coords.band,
         coords.q_start,
@@ -184,8 +191,7 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     if comptime!(cfg.dropout) {
         let keep = keep_mask::<E, T>(
             &coords.dropout,
-            coords.batch,
-            coords.head,
+            coords.head_key,
             coords.q_start,
             kv_start,
             false,
@@ -206,8 +212,8 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
 }
 
 /// Blocks `[first, end)` through two shared-memory stages filled by asynchronous copies: block
-/// `j + 1` is in flight while block `j` is computed. The query block loads while the first KV
-/// block is in flight.
+/// `j + 1` (with its staged mask and bias blocks) is in flight while block `j` is computed. The
+/// query block loads while the first KV block is in flight.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
@@ -228,19 +234,23 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
         SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.head_stride()), 16usize);
     let mut values =
         SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.value_stride()), 16usize);
+    let mut mask_stages = input_stages::<M>(cfg.staged.mask, cfg.mask_rows(), cfg);
+    let mut bias_stages = input_stages::<E>(cfg.staged.bias, cfg.block_q, cfg);
     let barriers = StageBarriers::new();
     sync_cube();
 
     if first < end {
-        fetch_stage::<E>(
+        fetch_block::<E, M>(
             k,
-            coords.k_base,
             v,
-            coords.v_base,
-            first * cfg.block_kv,
-            coords.band.seq_k,
+            mask,
+            bias,
+            coords,
             &mut keys,
             &mut values,
+            &mut mask_stages,
+            &mut bias_stages,
+            first,
             0,
             &barriers,
             cfg,
@@ -251,15 +261,17 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
         let stage = (block - first) % 2;
         barriers.wait(stage);
         if block + 1 < end {
-            fetch_stage::<E>(
+            fetch_block::<E, M>(
                 k,
-                coords.k_base,
                 v,
-                coords.v_base,
-                (block + 1) * cfg.block_kv,
-                coords.band.seq_k,
+                mask,
+                bias,
+                coords,
                 &mut keys,
                 &mut values,
+                &mut mask_stages,
+                &mut bias_stages,
+                block + 1,
                 1 - stage,
                 &barriers,
                 cfg,
@@ -269,6 +281,8 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
             &query,
             mask,
             bias,
+            &mask_stages,
+            &bias_stages,
             &keys,
             &values,
             stage,
@@ -280,6 +294,53 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
             cfg,
         );
     }
+}
+
+/// Issue the asynchronous copies of KV block `block` (its keys and values, and its blocks of the
+/// staged mask and bias) into stage `stage`, completing on that stage's barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fetch_block<E: Float, M: Int>(
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    mask: &ComptimeOption<Tensor<M>>,
+    bias: &ComptimeOption<Tensor<E>>,
+    coords: Coords,
+    keys: &mut SharedMemory<E>,
+    values: &mut SharedMemory<E>,
+    mask_stages: &mut ComptimeOption<SharedMemory<M>>,
+    bias_stages: &mut ComptimeOption<SharedMemory<E>>,
+    block: usize,
+    stage: usize,
+    barriers: &StageBarriers,
+    #[comptime] cfg: TileConfig,
+) {
+    let kv_start = block * cfg.block_kv;
+    fetch_stage::<E>(
+        k,
+        coords.k_base,
+        v,
+        coords.v_base,
+        kv_start,
+        coords.band.seq_k,
+        keys,
+        values,
+        stage,
+        cfg,
+    );
+    fetch_inputs::<E, M>(
+        mask,
+        bias,
+        mask_stages,
+        bias_stages,
+        coords.views,
+        coords.band,
+        coords.q_start,
+        kv_start,
+        stage,
+        cfg,
+    );
+    barriers.commit(stage);
 }
 
 /// Blocks `[first, end)` through one shared-memory stage filled by plain loads, the cube
@@ -330,7 +391,20 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
         );
         sync_cube();
         attend_block::<E, M, T>(
-            &query, mask, bias, &keys, &values, 0, first_row, coords, scale, stats, acc, cfg,
+            &query,
+            mask,
+            bias,
+            &ComptimeOption::new_None(),
+            &ComptimeOption::new_None(),
+            &keys,
+            &values,
+            0,
+            first_row,
+            coords,
+            scale,
+            stats,
+            acc,
+            cfg,
         );
     }
 }

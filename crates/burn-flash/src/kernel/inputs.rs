@@ -1,7 +1,9 @@
 //! The per-score inputs beside Q, K and V: a boolean mask (`true` hides the pair) and an additive
 //! bias, each `[batch|1, heads|1, seq_q|1, seq_k]` and contiguous, a dim of 1 broadcasting. Both
-//! are read element by element where the score registers sit, as `ComptimeOption`s: a kernel
-//! without them has no trace of them.
+//! are `ComptimeOption`s: a kernel without them has no trace of them. The backward and the
+//! portable forward read them element by element where the score registers sit; the tensor-core
+//! forward stages each KV block's block of them in shared memory beside the keys and values
+//! ([`Staged`](super::config::Staged)), where the launch can.
 //!
 //! The bias is added to the raw (unscaled, softcapped) scores divided by the scale, so that
 //! everything downstream, which multiplies by the scale, sees `scale · s + bias` as Burn's
@@ -11,6 +13,7 @@ use cubecl::prelude::*;
 
 use super::config::TileConfig;
 use super::mask::Band;
+use super::stage::{copy_input_async, input_offset};
 use super::tile::AttentionTile;
 
 /// Where one (batch, head) starts in a broadcast input and how far apart its query rows are.
@@ -57,8 +60,9 @@ pub fn mask_allows<M: Int>(
 }
 
 /// Whether the mask input lets the pair of each score register through (the block of queries
-/// from `q_start` and keys from `kv_start`; `transposed` as in [`pair_of`]). A mask the same for
-/// every query (`cfg.mask.per_key`) is read once per key the unit holds.
+/// from `q_start` and keys from `kv_start`; `transposed` as in [`pair_of`]), read from the
+/// tensor. A mask the same for every query (`cfg.mask.per_key`) is read once per key the unit
+/// holds.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn mask_input_allows<E: Float, M: Int, T: AttentionTile<E>>(
@@ -88,6 +92,56 @@ pub fn mask_input_allows<E: Float, M: Int, T: AttentionTile<E>>(
     allowed
 }
 
+/// Set the scores of the pairs the mask block staged at `staged_base` hides to `fill`
+/// (tensor-core forward). A per-key mask's block is one row of keys,
+/// read once per key the unit holds; its selects are skipped where every key the plane holds is
+/// visible (most blocks of a key-padding mask).
+#[cube]
+pub fn hide_staged<E: Float, M: Int, T: AttentionTile<E>>(
+    scores: &mut Array<f32>,
+    stages: &SharedMemory<M>,
+    staged_base: usize,
+    fill: f32,
+    #[comptime] cfg: TileConfig,
+) {
+    let chunk = comptime!(cfg.staged.mask.unwrap());
+    if comptime!(cfg.mask.per_key) {
+        let mut hidden = Array::<bool>::new(cfg.score_regs());
+        let mut any_hidden = false;
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let first = comptime!(cfg.key_reg(reg, false));
+            if comptime!(first == reg) {
+                let (_row, col) = T::score_position(reg, cfg);
+                let at = staged_base + input_offset(0usize, col, chunk, cfg);
+                hidden[reg] = (stages[at] & M::new(1)) != M::new(0);
+                any_hidden = any_hidden || hidden[reg];
+            } else {
+                hidden[reg] = hidden[first];
+            }
+        }
+        if T::any_unit(any_hidden) {
+            #[unroll]
+            for reg in 0..cfg.score_regs() {
+                scores[reg] = select(hidden[reg], fill, scores[reg]);
+            }
+        }
+    } else {
+        // All loads first, then the selects: measured faster than each select after its load.
+        let mut hidden = Array::<bool>::new(cfg.score_regs());
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let (row, col) = T::score_position(reg, cfg);
+            let at = staged_base + input_offset(row, col, chunk, cfg);
+            hidden[reg] = (stages[at] & M::new(1)) != M::new(0);
+        }
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            scores[reg] = select(hidden[reg], fill, scores[reg]);
+        }
+    }
+}
+
 /// (query, key) of score register `reg` of the block of queries from `q_start` and keys from
 /// `kv_start`; `transposed` when the registers hold (key, query) (the backward owning keys).
 #[cube]
@@ -107,13 +161,15 @@ pub fn pair_of<E: Float, T: AttentionTile<E>>(
 }
 
 /// Add `bias / scale` to the raw scores of the block (`inv_scale = 1 / scale`), if a bias is
-/// given, and ALiBi's `−slope · |key − diagonal| / scale` (`alibi` = `slope / scale`) if
+/// given (read from its staged block at `staged_base` in `staged` if given), and ALiBi's `−slope · |key − diagonal| / scale` (`alibi` = `slope / scale`) if
 /// `cfg.alibi`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn add_bias<E: Float, T: AttentionTile<E>>(
     scores: &mut Array<f32>,
     bias: &ComptimeOption<Tensor<E>>,
+    staged: &ComptimeOption<SharedMemory<E>>,
+    staged_base: usize,
     at: Broadcast,
     band: Band,
     q_start: usize,
@@ -124,21 +180,98 @@ pub fn add_bias<E: Float, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
 ) {
     if comptime!(cfg.alibi) {
+        // The signed distance `key − diagonal` is affine in the register's row and column: one
+        // product per block at register 0, then per register a constant step (its offset from
+        // register 0, which the compiler folds) in one multiply-add and a subtraction of the
+        // absolute value. Signed i32 keeps `key + seq_q − query − seq_k` exact.
+        let (query0, key0) = pair_of::<E, T>(q_start, kv_start, 0usize, transposed, cfg);
+        let distance0 = i32::cast_from(key0 + band.seq_q) - i32::cast_from(query0 + band.seq_k);
+        let base = alibi * f32::cast_from(distance0);
         #[unroll]
         for reg in 0..cfg.score_regs() {
             let (query, key) = pair_of::<E, T>(q_start, kv_start, reg, transposed, cfg);
-            // |key − (query + seq_k − seq_q)|, kept unsigned.
-            let (right, left) = (key + band.seq_q, query + band.seq_k);
-            let distance = select(right > left, right - left, left - right);
-            scores[reg] -= alibi * f32::cast_from(distance);
+            let step = (i32::cast_from(key) - i32::cast_from(key0))
+                - (i32::cast_from(query) - i32::cast_from(query0));
+            scores[reg] -= (alibi * f32::cast_from(step) + base).abs();
         }
     }
     #[comptime]
-    if let ComptimeOption::Some(bias) = bias {
-        #[unroll]
-        for reg in 0..cfg.score_regs() {
-            let (query, key) = pair_of::<E, T>(q_start, kv_start, reg, transposed, cfg);
-            scores[reg] += f32::cast_from(bias[element(at, band, query, key)]) * inv_scale;
+    if let ComptimeOption::Some(stages) = staged {
+        T::add_staged(scores, stages, staged_base, inv_scale, cfg);
+    } else {
+        #[comptime]
+        if let ComptimeOption::Some(bias) = bias {
+            #[unroll]
+            for reg in 0..cfg.score_regs() {
+                let (query, key) = pair_of::<E, T>(q_start, kv_start, reg, transposed, cfg);
+                scores[reg] += f32::cast_from(bias[element(at, band, query, key)]) * inv_scale;
+            }
+        }
+    }
+}
+
+/// Two stages of a staged score input's blocks of `rows` rows, if `chunk` (its elements per 16
+/// bytes) says it is staged.
+#[cube]
+pub fn input_stages<N: CubePrimitive>(
+    #[comptime] chunk: Option<usize>,
+    #[comptime] rows: usize,
+    #[comptime] cfg: TileConfig,
+) -> ComptimeOption<SharedMemory<N>> {
+    if comptime!(chunk.is_some()) {
+        let len = comptime!(2 * rows * cfg.block_kv);
+        ComptimeOption::new_Some(SharedMemory::<N>::new_aligned(len, 16usize))
+    } else {
+        ComptimeOption::new_None()
+    }
+}
+
+/// Issue the asynchronous copies of the staged inputs' blocks for the queries from `q_start`
+/// and the keys from `kv_start` into stage `stage` (0 or 1).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn fetch_inputs<E: Float, M: Int>(
+    mask: &ComptimeOption<Tensor<M>>,
+    bias: &ComptimeOption<Tensor<E>>,
+    mask_stages: &mut ComptimeOption<SharedMemory<M>>,
+    bias_stages: &mut ComptimeOption<SharedMemory<E>>,
+    views: Views,
+    band: Band,
+    q_start: usize,
+    kv_start: usize,
+    stage: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    #[comptime]
+    if let ComptimeOption::Some(stages) = mask_stages {
+        #[comptime]
+        if let ComptimeOption::Some(mask) = mask {
+            let chunk = comptime!(cfg.staged.mask.unwrap());
+            let rows = comptime!(cfg.mask_rows());
+            let base = stage * comptime!(rows * cfg.block_kv);
+            copy_input_async::<M>(
+                mask, views.mask, band, q_start, kv_start, stages, base, rows, chunk, cfg,
+            );
+        }
+    }
+    #[comptime]
+    if let ComptimeOption::Some(stages) = bias_stages {
+        #[comptime]
+        if let ComptimeOption::Some(bias) = bias {
+            let chunk = comptime!(cfg.staged.bias.unwrap());
+            let base = stage * comptime!(cfg.block_q * cfg.block_kv);
+            copy_input_async::<E>(
+                bias,
+                views.bias,
+                band,
+                q_start,
+                kv_start,
+                stages,
+                base,
+                cfg.block_q,
+                chunk,
+                cfg,
+            );
         }
     }
 }

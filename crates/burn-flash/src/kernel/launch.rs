@@ -10,7 +10,7 @@ use cubecl::features::{MmaConfig, Plane};
 use cubecl::prelude::*;
 
 use super::TilePath;
-use super::config::{ScoreParams, TileConfig};
+use super::config::{ScoreParams, Staged, TileConfig};
 use super::forward::flash_forward;
 use super::tile::{MmaTile, PortableTile};
 
@@ -180,6 +180,7 @@ pub fn forward<R: CubeRuntime>(
     }
 
     let cfg = forward_config(tile, head_dim, value_dim).with_scores(&params);
+    let cfg = cfg.with_staged(staging(&client, &cfg, &inputs, q.dtype));
     let cube_dim = cube_dim(&cfg);
     let cube_count = CubeCount::Static(
         seq_q.div_ceil(cfg.block_q) as u32,
@@ -249,6 +250,49 @@ pub fn forward<R: CubeRuntime>(
         }
     }
     (out, lse)
+}
+
+/// The score inputs the tensor-core forward stages in shared memory ([`Staged`]): a mask and a
+/// bias whose rows are whole 16-byte chunks (`seq_k` a multiple of the chunk: every
+/// stride of a contiguous input is a multiple of `seq_k`, and buffers start aligned), a bias
+/// only where a block's row fills whole 128-byte lines (its `ldmatrix` swizzle), as many of
+/// them as the device's shared memory holds beside the K/V stages (the mask first, the smaller).
+/// The others are read in place. `BURN_FLASH_STAGE_INPUTS=0` reads both in place (tuning runs).
+fn staging<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    cfg: &TileConfig,
+    inputs: &ScoreInputs<R>,
+    dtype: DType,
+) -> Staged {
+    static DISABLED: OnceLock<bool> = OnceLock::new();
+    let disabled =
+        DISABLED.get_or_init(|| std::env::var("BURN_FLASH_STAGE_INPUTS").is_ok_and(|v| v == "0"));
+    if cfg.tile != TilePath::TensorCore || *disabled {
+        return Staged::default();
+    }
+    let chunk = |input: &Option<CubeTensor<R>>| {
+        let input = input.as_ref()?;
+        let chunk = 16 / input.dtype.size();
+        let seq_k = input.meta.shape()[3];
+        (seq_k.is_multiple_of(chunk) && cfg.block_kv.is_multiple_of(chunk)).then_some(chunk)
+    };
+    let mask = chunk(&inputs.mask);
+    let bias = chunk(&inputs.bias).filter(|&chunk| (cfg.block_kv / chunk).is_multiple_of(8));
+    [
+        Staged { mask, bias },
+        Staged { mask, bias: None },
+        Staged { mask: None, bias },
+    ]
+    .into_iter()
+    .find(|&staged| {
+        fits_shared(
+            client,
+            "forward",
+            cfg.with_staged(staged).shared_bytes(dtype.size()),
+        )
+        .is_ok()
+    })
+    .unwrap_or_default()
 }
 
 /// The mask and bias inputs of a launch, contiguous, the mask's booleans as integers.

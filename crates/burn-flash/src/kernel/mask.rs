@@ -12,7 +12,7 @@
 use cubecl::prelude::*;
 
 use super::config::{MaskConfig, TileConfig};
-use super::inputs::{Broadcast, mask_input_allows, pair_of};
+use super::inputs::{Broadcast, hide_staged, mask_input_allows, pair_of};
 use super::tile::AttentionTile;
 
 /// Lengths and band offsets of one (batch, head).
@@ -135,12 +135,15 @@ pub fn block_needs_mask(
 }
 
 /// Set the scores of hidden pairs to `-inf`: the band's in blocks that cross it, the mask
-/// input's (`at` its view of this (batch, head)) everywhere.
+/// input's (`at` its view of this (batch, head), or its block staged at `staged_base` in
+/// `staged`) everywhere.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn apply_mask<E: Float, M: Int, T: AttentionTile<E>>(
     scores: &mut Array<f32>,
     mask: &ComptimeOption<Tensor<M>>,
+    staged: &ComptimeOption<SharedMemory<M>>,
+    staged_base: usize,
     at: Broadcast,
     band: Band,
     q_start: usize,
@@ -160,10 +163,16 @@ pub fn apply_mask<E: Float, M: Int, T: AttentionTile<E>>(
         }
     }
     if comptime!(cfg.mask.tensor) {
-        let allowed = mask_input_allows::<E, M, T>(mask, at, band, q_start, kv_start, false, cfg);
-        #[unroll]
-        for reg in 0..cfg.score_regs() {
-            scores[reg] = select(allowed[reg], scores[reg], neg_inf);
+        #[comptime]
+        if let ComptimeOption::Some(stages) = staged {
+            hide_staged::<E, M, T>(scores, stages, staged_base, neg_inf, cfg);
+        } else {
+            let allowed =
+                mask_input_allows::<E, M, T>(mask, at, band, q_start, kv_start, false, cfg);
+            #[unroll]
+            for reg in 0..cfg.score_regs() {
+                scores[reg] = select(allowed[reg], scores[reg], neg_inf);
+            }
         }
     }
 }

@@ -5,6 +5,8 @@ use cubecl::prelude::barrier::{Barrier, copy_async_checked};
 use cubecl::prelude::*;
 
 use super::config::{CHUNK, TileConfig};
+use super::inputs::Broadcast;
+use super::mask::Band;
 
 /// Offset of element (`row`, `col`) inside one staged block of `width` columns. With swizzle,
 /// 16-byte chunk `c` of row `r` lives at chunk `c ^ (r % 8)`: eight consecutive rows read at the
@@ -147,7 +149,8 @@ fn copy_chunk<E: Float>(
 
 /// Stage `stage` (0 or 1) of a double-buffered pair of operands: copies of rows
 /// `[first_row, first_row + cfg.block_kv)` of `first` (`cfg.head_dim` wide) and `second`
-/// (`cfg.value_dim` wide) issued asynchronously, completing on that stage's barrier.
+/// (`cfg.value_dim` wide) issued asynchronously, to be committed to that stage's barrier
+/// ([`StageBarriers::commit`]).
 /// `first_stages` holds two blocks of `cfg.head_stride()`-apart rows, `second_stages` two of
 /// `cfg.value_stride()`.
 #[cube]
@@ -162,7 +165,6 @@ pub fn fetch_stage<E: Float>(
     first_stages: &mut SharedMemory<E>,
     second_stages: &mut SharedMemory<E>,
     stage: usize,
-    barriers: &StageBarriers,
     #[comptime] cfg: TileConfig,
 ) {
     copy_block_async::<E>(
@@ -187,10 +189,66 @@ pub fn fetch_stage<E: Float>(
         cfg.value_dim,
         cfg,
     );
-    if stage == 0 {
-        barriers.first.commit_copy_async();
-    } else {
-        barriers.second.commit_copy_async();
+}
+
+/// Offset of element (`row`, `col`) in a staged block of a score input (`cfg.block_kv` elements
+/// per row, `chunk` per 16 bytes). The 16-byte chunks are XOR-swizzled so that the eight rows of
+/// one accumulator read start in distinct bank groups: by `row % 8` where a row spans a
+/// 128-byte line or more (the bias: [`stage_offset`]'s swizzle, which `ldmatrix` reads), by the
+/// row's line where several rows share one (a u8 mask: two 64-byte rows per line).
+#[cube]
+pub fn input_offset(
+    row: usize,
+    col: usize,
+    #[comptime] chunk: usize,
+    #[comptime] cfg: TileConfig,
+) -> usize {
+    let chunks = comptime!(cfg.block_kv / chunk);
+    let rows_per_line = comptime!((8 / chunks).max(1));
+    let key = (row / rows_per_line) % comptime!(chunks.min(8));
+    row * cfg.block_kv + ((col / chunk) ^ key) * chunk + col % chunk
+}
+
+/// Issue asynchronous copies of the `rows × cfg.block_kv` block of a score input (`at` its view
+/// of this (batch, head); `rows` is 1 for a mask the same for every query) for the queries from
+/// `q_start` and the keys from `kv_start` into `stage[stage_base..]` ([`input_offset`]), `chunk`
+/// elements per 16-byte copy. Chunks past either sequence are zero-filled, never read. The launch stages an
+/// input only when its rows are 16-byte aligned and `seq_k` a multiple of `chunk`, so a chunk
+/// is wholly in or out.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn copy_input_async<N: CubePrimitive>(
+    src: &Tensor<N>,
+    at: Broadcast,
+    band: Band,
+    q_start: usize,
+    kv_start: usize,
+    stage: &mut SharedMemory<N>,
+    stage_base: usize,
+    #[comptime] rows: usize,
+    #[comptime] chunk: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    let chunks_per_row = comptime!(cfg.block_kv / chunk);
+    let chunks = comptime!(rows * chunks_per_row);
+    let units = comptime!(cfg.units());
+    #[unroll]
+    for pass in 0..comptime!(chunks.div_ceil(units)) {
+        let id = comptime!(pass * units) + UNIT_POS as usize;
+        if comptime!(chunks.is_multiple_of(units)) || id < chunks {
+            let row = id / chunks_per_row;
+            let col = id % chunks_per_row * chunk;
+            let (query, key) = (q_start + row, kv_start + col);
+            let in_bounds = query < band.seq_q && key < band.seq_k;
+            let src_start = select(in_bounds, at.base + query * at.row_stride + key, 0usize);
+            let len = select(in_bounds, chunk, 0usize);
+            let dst = stage_base + input_offset(row, col, chunk, cfg);
+            copy_async_checked(
+                &src.slice(src_start, src_start + len),
+                &mut stage.slice_mut(dst, dst + chunk),
+                chunk as u32,
+            );
+        }
     }
 }
 
@@ -208,6 +266,15 @@ impl StageBarriers {
         StageBarriers {
             first: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
             second: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+        }
+    }
+
+    /// Make the copies issued so far complete on stage `stage`'s barrier.
+    pub fn commit(&self, stage: usize) {
+        if stage == 0 {
+            self.first.commit_copy_async();
+        } else {
+            self.second.commit_copy_async();
         }
     }
 

@@ -278,9 +278,9 @@ fn fetch_step<E: Float>(
         first_stages,
         second_stages,
         stage,
-        barriers,
         cfg,
     );
+    barriers.commit(stage);
 }
 
 /// Gradients from the staged block at `stage` whose first row is `staged_start`, for query
@@ -349,6 +349,8 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>>(
     add_bias::<E, T>(
         &mut probs,
         bias,
+        &ComptimeOption::new_None(),
+        0,
         views.bias,
         span.band,
         q_start,
@@ -361,8 +363,7 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>>(
 
     let keep = keep_mask::<E, T>(
         &span.dropout,
-        batch,
-        head,
+        span.dropout.head_key(batch, head),
         q_start,
         kv_start,
         owns_keys,

@@ -477,6 +477,47 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         );
     }
 
+    fn add_staged(
+        scores: &mut Array<f32>,
+        stage: &SharedMemory<E>,
+        base: usize,
+        factor: f32,
+        #[comptime] cfg: TileConfig,
+    ) {
+        // ldmatrix.x4 as for a query fragment: the A fragment of a 16 × 16 block holds, in
+        // order, the accumulator pairs (row g, row g + 8) of its two n-tiles.
+        let def = definition::<E>();
+        let lane = UNIT_POS_X as usize;
+        let lane_row = UNIT_POS_Y as usize * cfg.plane_rows + lane % 16usize;
+        let n_tiles = comptime!(cfg.block_kv / MMA_N);
+        #[unroll]
+        for m in 0..cfg.m_tiles() {
+            #[unroll]
+            for pair in 0..n_tiles / 2 {
+                let at = base
+                    + swizzled_offset(
+                        lane_row,
+                        lane / 16usize,
+                        comptime!(m * MMA_M),
+                        comptime!(pair * 2),
+                        cfg.block_kv,
+                    );
+                let fragment = def.load_matrix::<E, Const<2>>(
+                    &stage.slice(at, at + CHUNK),
+                    MatrixIdent::A,
+                    4usize,
+                    false,
+                );
+                #[unroll]
+                for i in 0..4usize {
+                    let reg = comptime!((m * n_tiles + pair * 2 + i / 2) * 4 + i % 2 * 2);
+                    scores[reg] += f32::cast_from(fragment[i][0]) * factor;
+                    scores[comptime!(reg + 1)] += f32::cast_from(fragment[i][1]) * factor;
+                }
+            }
+        }
+    }
+
     fn score_position(#[comptime] reg: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {
         acc_block_position::<E>(reg, cfg.block_kv, cfg)
     }

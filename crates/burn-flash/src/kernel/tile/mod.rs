@@ -67,6 +67,16 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         #[comptime] cfg: TileConfig,
     );
 
+    /// Add `factor` times a block of a 16-bit score input staged in shared memory at `base`
+    /// ([`input_offset`](crate::kernel::stage::input_offset)) to the score registers.
+    fn add_staged(
+        scores: &mut Array<f32>,
+        stage: &SharedMemory<E>,
+        base: usize,
+        factor: f32,
+        #[comptime] cfg: TileConfig,
+    );
+
     /// (query row within the block, key column within the KV block) of score register `reg`.
     fn score_position(#[comptime] reg: usize, #[comptime] cfg: TileConfig) -> (usize, usize);
 

@@ -4,8 +4,8 @@
 use cubecl::prelude::*;
 
 use super::AttentionTile;
-use crate::kernel::config::TileConfig;
-use crate::kernel::stage::stage_offset;
+use crate::kernel::config::{CHUNK, TileConfig};
+use crate::kernel::stage::{input_offset, stage_offset};
 
 /// Register-FMA tile; unit `UNIT_POS` owns query row `UNIT_POS` of the block.
 pub struct PortableTile;
@@ -96,6 +96,20 @@ impl<E: Float> AttentionTile<E> for PortableTile {
                     accum[base + c].fetch_add(grads[j] * owned[c]);
                 }
             }
+        }
+    }
+
+    fn add_staged(
+        scores: &mut Array<f32>,
+        stage: &SharedMemory<E>,
+        base: usize,
+        factor: f32,
+        #[comptime] cfg: TileConfig,
+    ) {
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let at = base + input_offset(UNIT_POS as usize, reg, CHUNK, cfg);
+            scores[reg] += f32::cast_from(stage[at]) * factor;
         }
     }
 
