@@ -8,6 +8,7 @@
 #   scripts/gpu-run.sh sources # dump the fused kernels' generated CUDA source (forward, backward)
 #   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV
 #   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
+#   scripts/gpu-run.sh features # issue 6's feature table (FEATURE_MODES, default fwd)
 #   scripts/gpu-run.sh memory  # one training step per impl and length (b1 h16 d128), one process each
 #
 # Several stages may be given; they run in order.
@@ -86,6 +87,23 @@ for block in blocks:
 print(f"fused kernel sources: {count}")
 EOF
     rm -f "$OUT/cubecl.log"
+    ;;
+  features)
+    # Issue 6's table: plain attention and each feature, back to back in one process each,
+    # bf16, d 64/128, n 2048/8192, causal and not; then GQA and a sliding window.
+    B=.gpu/bench-attention
+    {
+      # Plain rows first and last: the table compares each feature with their mean.
+      for extra in "" "--mask keypad" "--mask full" "--bias heads" "--alibi" "--dropout 0.1" \
+          "--softcap 30" ""; do
+        $B --impls burn-flash --d 64,128 --n 2048,8192 --causal both \
+          --modes "${FEATURE_MODES:-fwd}" --iters 10 $extra
+      done
+      $B --impls burn-flash --h 32 --hkv 8 --d 128 --n 2048,8192 --causal both \
+        --modes "${FEATURE_MODES:-fwd}" --iters 10
+      $B --impls burn-flash --window 1024 --d 128 --n 8192,16384 --causal both \
+        --modes "${FEATURE_MODES:-fwd}" --iters 10
+    } 2>"$OUT/features.err" | awk '/^impl,/ { if (seen++) next } !/^#/' | tee "$OUT/features.csv"
     ;;
   bench)
     # PyTorch first, so that our summary (the '#' lines after our CSV) includes its rows.
