@@ -63,12 +63,12 @@ pub struct TileConfig {
     pub staged: Staged,
 }
 
-/// Score inputs (a per-pair mask, a bias) the tensor-core forward stages in shared memory: each
-/// KV block's `block_q × block_kv` block of them is copied asynchronously beside its keys and
-/// values, so the units read it from shared memory, its latency hidden behind the previous
-/// block's math, instead of waiting on global memory where each score register sits (the bias
-/// with `ldmatrix`, straight into the score layout). Each is the input's elements per 16-byte
-/// chunk when staged.
+/// Score inputs (a mask, a bias) the tensor-core forward stages in shared memory: each KV
+/// block's block of them (`block_q × block_kv`; one row of keys for a mask the same for every
+/// query) is copied asynchronously beside its keys and values, so the units read it from shared
+/// memory, its latency hidden behind the previous block's math, instead of waiting on global
+/// memory where each score register sits (the bias with `ldmatrix`, straight into the score
+/// layout). Each is the input's elements per 16-byte chunk when staged.
 #[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
 pub struct Staged {
     pub mask: Option<usize>,
@@ -375,9 +375,9 @@ pub struct DropoutParams {
 
 impl ScoreParams {
     /// The kernel view of `options` for `heads` query heads of `seq_q` rows over `seq_k` keys
-    /// with this head dim, without mask or bias inputs (see [`with_inputs`](Self::with_inputs)). A window
-    /// side too wide to hide any key is dropped, so the kernels neither mask nor skip for it, and
-    /// kept offsets stay below `seq_q + seq_k` (no index overflow).
+    /// with this head dim, without mask or bias inputs (see [`with_inputs`](Self::with_inputs)).
+    /// A window side too wide to hide any key is dropped, so the kernels neither mask nor skip
+    /// for it, and kept offsets stay below `seq_q + seq_k` (no index overflow).
     pub fn new(
         options: &crate::FlashAttentionOptions,
         heads: usize,

@@ -93,9 +93,9 @@ pub fn mask_input_allows<E: Float, M: Int, T: AttentionTile<E>>(
 }
 
 /// Set the scores of the pairs the mask block staged at `staged_base` hides to `fill`
-/// (tensor-core forward). A per-key mask's block is one row of keys,
-/// read once per key the unit holds; its selects are skipped where every key the plane holds is
-/// visible (most blocks of a key-padding mask).
+/// (tensor-core forward). A per-key mask's block is one row of keys, read once per key the unit
+/// holds; its selects are skipped where every key the plane holds is visible (most blocks of a
+/// key-padding mask).
 #[cube]
 pub fn hide_staged<E: Float, M: Int, T: AttentionTile<E>>(
     scores: &mut Array<f32>,
@@ -161,8 +161,8 @@ pub fn pair_of<E: Float, T: AttentionTile<E>>(
 }
 
 /// Add `bias / scale` to the raw scores of the block (`inv_scale = 1 / scale`), if a bias is
-/// given (read from its staged block at `staged_base` in `staged` if given), and ALiBi's `−slope · |key − diagonal| / scale` (`alibi` = `slope / scale`) if
-/// `cfg.alibi`.
+/// given (read from its staged block at `staged_base` in `staged` if given), and ALiBi's
+/// `−slope · |key − diagonal| / scale` (`alibi` = `slope / scale`) if `cfg.alibi`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn add_bias<E: Float, T: AttentionTile<E>>(

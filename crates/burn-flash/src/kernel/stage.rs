@@ -212,9 +212,9 @@ pub fn input_offset(
 /// Issue asynchronous copies of the `rows × cfg.block_kv` block of a score input (`at` its view
 /// of this (batch, head); `rows` is 1 for a mask the same for every query) for the queries from
 /// `q_start` and the keys from `kv_start` into `stage[stage_base..]` ([`input_offset`]), `chunk`
-/// elements per 16-byte copy. Chunks past either sequence are zero-filled, never read. The launch stages an
-/// input only when its rows are 16-byte aligned and `seq_k` a multiple of `chunk`, so a chunk
-/// is wholly in or out.
+/// elements per 16-byte copy. Chunks past either sequence are zero-filled, never read. The
+/// launch stages an input only when its rows are 16-byte aligned and `seq_k` a multiple of
+/// `chunk`, so a chunk is wholly in or out.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn copy_input_async<N: CubePrimitive>(
