@@ -74,6 +74,28 @@ pub struct Batch {
     pub context: usize,
 }
 
+impl Batch {
+    /// The batch's rows dealt into `parts` consecutive shards of equal size, one per device of
+    /// data-parallel training. Panics unless `parts` divides the batch.
+    pub fn shards(&self, parts: usize) -> Vec<Batch> {
+        assert!(
+            parts > 0 && self.batch.is_multiple_of(parts),
+            "a batch of {} rows cannot be split in {parts}",
+            self.batch
+        );
+        let rows = self.batch / parts;
+        let len = rows * self.context;
+        (0..parts)
+            .map(|part| Batch {
+                inputs: self.inputs[part * len..(part + 1) * len].to_vec(),
+                targets: self.targets[part * len..(part + 1) * len].to_vec(),
+                batch: rows,
+                context: self.context,
+            })
+            .collect()
+    }
+}
+
 /// Windows at random offsets of a text, from a seeded generator: the same seed gives the same
 /// sequence of batches.
 pub struct Batches<'a> {
@@ -145,6 +167,19 @@ mod tests {
         assert_ne!(draw(1), draw(2));
         let [first, second] = draw(1);
         assert_ne!(first, second);
+    }
+
+    #[test]
+    fn shards_deal_consecutive_rows() {
+        let text: Vec<u8> = (0..=255).collect();
+        let batch = Batches::new(&text, 6, 5, 3).next_batch();
+        let shards = batch.shards(3);
+        assert_eq!(shards.len(), 3);
+        assert!(shards.iter().all(|s| s.batch == 2 && s.context == 5));
+        let joined: Vec<i32> = shards.iter().flat_map(|s| s.inputs.clone()).collect();
+        assert_eq!(joined, batch.inputs);
+        let joined: Vec<i32> = shards.iter().flat_map(|s| s.targets.clone()).collect();
+        assert_eq!(joined, batch.targets);
     }
 
     #[test]

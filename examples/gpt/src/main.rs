@@ -43,12 +43,13 @@ training:
   --batch N  --steps N                                                 [8, 100]
   --lr LR  --min-lr LR  --warmup N   warmup, then cosine decay      [3e-3, 3e-4, 10]
   --weight-decay W                                                         [0.1]
-  --eval-every N  --eval-batches N                                      [20, 4]
+  --eval-every N  --eval-batches N    (0 batches: no validation)      [20, 4]
   --seed N                                                                  [42]
   --log-every N        progress lines when stderr is not a terminal         [10]
 runtime:
   --device D           auto | cuda | wgpu (auto: CUDA if built with `cuda` and present)
-  --dtype T            f32 | bf16 | f16                                    [f32]
+  --dtype T            f32 | bf16 | f16 compute; weights stay f32          [f32]
+  --devices N          data-parallel over CUDA devices 0..N, batch split evenly [1]
 output:
   --csv PATH           loss curve: step,lr,train_loss,val_loss
   --prompt TEXT  --sample-len N    text generated after training         [\"\", 200]
@@ -64,6 +65,7 @@ struct Args {
     dropout: f64,
     attention: AttentionKernel,
     device: String,
+    devices: usize,
     dtype: DType,
     settings: Settings,
 }
@@ -79,11 +81,13 @@ fn parse_args() -> Result<Option<Args>, String> {
         dropout: 0.0,
         attention: AttentionKernel::Flash,
         device: "auto".into(),
+        devices: 1,
         dtype: DType::F32,
         settings: Settings {
             steps: 100,
             batch: 8,
             context: 64,
+            dtype: DType::F32,
             schedule: Schedule {
                 peak: 3e-3,
                 min: 3e-4,
@@ -130,6 +134,7 @@ fn parse_args() -> Result<Option<Args>, String> {
                 }
             }
             "--device" if ["auto", "cuda", "wgpu"].contains(&value.as_str()) => args.device = value,
+            "--devices" => args.devices = number(&flag, &value)?,
             "--dtype" => {
                 args.dtype = match value.as_str() {
                     "f32" => DType::F32,
@@ -156,9 +161,13 @@ fn parse_args() -> Result<Option<Args>, String> {
     }
     let s = &mut args.settings;
     s.context = args.context;
+    s.dtype = args.dtype;
     s.schedule.steps = s.steps;
-    if s.steps == 0 || s.batch == 0 || s.eval_every == 0 || s.eval_batches == 0 {
-        return Err("--steps, --batch, --eval-every and --eval-batches must be positive".into());
+    if s.steps == 0 || s.batch == 0 || s.eval_every == 0 {
+        return Err("--steps, --batch and --eval-every must be positive".into());
+    }
+    if args.devices == 0 || !s.batch.is_multiple_of(args.devices) {
+        return Err("--devices must be positive and divide --batch".into());
     }
     if !(0.0..1.0).contains(&args.val_fraction) || args.val_fraction == 0.0 {
         return Err("--val-fraction must be in (0, 1)".into());
@@ -198,9 +207,23 @@ fn run(args: &Args) -> Result<(), String> {
     if args.device != "wgpu" {
         match burn_flash_suite::cuda_device() {
             Ok(device) => {
-                let client = cubecl::cuda::CudaRuntime::client(&device);
-                let reserved = move || client.memory_usage().ok().map(|u| u.bytes_reserved);
-                return train_on::<Autodiff<burn::backend::Cuda>>(args, device, "CUDA", &reserved);
+                use burn::backend::cuda::CudaDevice;
+                let count = cubecl::cuda::CudaRuntime::client(&device).device_count_total();
+                if args.devices > count {
+                    return Err(format!("--devices {}: {count} CUDA devices", args.devices));
+                }
+                let devices: Vec<CudaDevice> = (0..args.devices).map(CudaDevice::new).collect();
+                let clients: Vec<_> = devices
+                    .iter()
+                    .map(cubecl::cuda::CudaRuntime::client)
+                    .collect();
+                let reserved = move || {
+                    let usage = clients.iter().map(|c| c.memory_usage().ok());
+                    usage.map(|u| u.map(|u| u.bytes_reserved)).max().flatten()
+                };
+                return train_on::<Autodiff<burn::backend::Cuda>>(
+                    args, &devices, "CUDA", &reserved,
+                );
             }
             Err(reason) if args.device == "cuda" => {
                 return Err(format!("no CUDA device: {reason}"));
@@ -212,15 +235,18 @@ fn run(args: &Args) -> Result<(), String> {
     if args.device == "cuda" {
         return Err("--device cuda needs a build with `--features cuda`".into());
     }
+    if args.devices > 1 {
+        return Err("--devices above 1 needs CUDA".into());
+    }
     let device = WgpuDevice::default();
     let client = cubecl::wgpu::WgpuRuntime::client(&device);
     let reserved = move || client.memory_usage().ok().map(|u| u.bytes_reserved);
-    train_on::<Autodiff<Wgpu>>(args, device, "wgpu", &reserved)
+    train_on::<Autodiff<Wgpu>>(args, &[device], "wgpu", &reserved)
 }
 
 fn train_on<B>(
     args: &Args,
-    device: B::Device,
+    devices: &[B::Device],
     name: &str,
     reserved_bytes: &dyn Fn() -> Option<u64>,
 ) -> Result<(), String>
@@ -255,7 +281,8 @@ where
         val_text.len()
     );
 
-    B::seed(&device, args.settings.seed);
+    let device = &devices[0];
+    B::seed(device, args.settings.seed);
     let model = GptConfig::new(
         data::VOCAB_SIZE,
         args.context,
@@ -265,22 +292,23 @@ where
     )
     .with_dropout(args.dropout)
     .with_kernel(args.attention)
-    .init::<B>(&device)
-    .cast(args.dtype);
+    .init::<B>(device);
     let parameters = burn::module::Module::num_params(&model);
     println!(
-        "model:     {} layers, d_model {}, {} heads, context {}, {parameters} parameters, {:?}",
+        "model:     {} layers, d_model {}, {} heads, context {}, {parameters} parameters, {:?} \
+         weights computing in {:?}",
         args.layers,
         args.d_model,
         args.heads,
         args.context,
-        model.dtype()
+        model.dtype(),
+        args.dtype
     );
     let d_k = args.d_model / args.heads;
     let probe = Tensor::<B, 4>::random(
         [args.settings.batch, args.heads, args.context, d_k],
         Distribution::Default,
-        (&device, args.dtype),
+        (device, args.dtype),
     );
     let plan = flash_attention_plan(&probe, &probe, &probe, FlashAttentionOptions::causal())
         .map_or_else(|e| format!("refused: {e}"), |plan| plan.to_string());
@@ -288,16 +316,17 @@ where
         "attention: {:?} (burn-flash would run: {plan})",
         args.attention
     );
-    println!("device:    {name} {device:?}");
+    println!("device:    {name} {devices:?}");
 
     let s = &args.settings;
-    let report = train::train(model, &train_text, &val_text, s, &device, reserved_bytes)
+    let report = train::train(model, &train_text, &val_text, s, devices, reserved_bytes)
         .map_err(|e| format!("writing the loss curve: {e}"))?;
 
     println!("\nsample:\n{}\n", report.sample);
     println!(
-        "summary: {name} {:?} attention {:?} | {} steps x {} tokens in {:.1} s | {} tokens/s (steps {}..) | \
-         peak reserved {} | train loss {:.4} -> {:.4} | val loss {:.4} -> {:.4}",
+        "summary: {name} x{} {:?} attention {:?} | {} steps x {} tokens in {:.1} s | {} tokens/s (steps {}..) | \
+         peak reserved {} per device | train loss {:.4} -> {:.4} | val loss {:.4} -> {:.4}",
+        devices.len(),
         args.dtype,
         args.attention,
         s.steps,

@@ -111,7 +111,8 @@ impl<B: FlashAttentionBackend> Gpt<B> {
     /// Mean cross-entropy of predicting `targets` (`[batch, seq]`) from `inputs`.
     pub fn loss(&self, inputs: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
         let [batch, seq] = inputs.dims();
-        let logits = self.forward(inputs);
+        // The softmax and the loss in f32 whatever the compute dtype.
+        let logits = self.forward(inputs).cast(DType::F32);
         let vocab = logits.dims()[2];
         CrossEntropyLossConfig::new()
             .init(&logits.device())
@@ -126,11 +127,15 @@ impl<B: FlashAttentionBackend> Gpt<B> {
         self.positions.weight.dims()[0]
     }
 
-    /// This model with every parameter converted to `dtype` (Burn keeps a device's default
-    /// float dtype for the whole process, so lower precisions come from a cast of the weights;
-    /// activations then follow the weights' dtype).
-    pub fn cast(self, dtype: DType) -> Self {
-        self.map(&mut Cast(dtype))
+    /// This model computing in `dtype`: every float parameter cast to it. On an autodiff
+    /// backend the casts are recorded, so gradients flow back to this model's parameters in
+    /// their own dtype: f32 weights and optimizer state, bf16 or f16 matmuls and attention
+    /// (mixed precision; Burn 0.21 has no automatic one).
+    pub fn cast(&self, dtype: DType) -> Self {
+        if self.dtype() == dtype {
+            return self.clone();
+        }
+        self.clone().map(&mut Cast(dtype))
     }
 
     /// The dtype of the parameters.
@@ -152,20 +157,11 @@ impl<B: FlashAttentionBackend> Block<B> {
     }
 }
 
-/// Converts float parameters to a dtype, keeping them trainable leaves.
+/// Casts float parameters to a dtype, keeping their ids.
 struct Cast(DType);
 
 impl<B: FlashAttentionBackend> ModuleMapper<B> for Cast {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let dtype = self.0;
-        param.map(|tensor| {
-            let trainable = tensor.is_require_grad();
-            let tensor = tensor.detach().cast(dtype);
-            if trainable {
-                tensor.require_grad()
-            } else {
-                tensor
-            }
-        })
+        param.map(|tensor| tensor.cast(self.0))
     }
 }

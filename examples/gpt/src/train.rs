@@ -8,11 +8,12 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use burn::grad_clipping::GradientClippingConfig;
-use burn::module::AutodiffModule;
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::module::{AutodiffModule, Module};
+use burn::optim::{AdamWConfig, GradientsParams, MultiGradientsParams, Optimizer};
+use burn::prelude::DeviceOps;
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::{DType, ElementConversion, Int, Tensor, TensorData};
 use burn_flash::FlashAttentionBackend;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -27,9 +28,12 @@ pub struct Settings {
     pub steps: usize,
     pub batch: usize,
     pub context: usize,
+    /// The dtype the model computes in; its parameters stay in their own (mixed precision).
+    pub dtype: DType,
     pub schedule: Schedule,
     pub weight_decay: f32,
     pub eval_every: usize,
+    /// Batches per validation; 0 skips validation (and its kernels' compilation).
     pub eval_batches: usize,
     pub seed: u64,
     pub log_every: usize,
@@ -63,11 +67,13 @@ impl Schedule {
 pub struct Report {
     pub first_train_loss: f64,
     pub final_train_loss: f64,
+    /// NaN when validation is off.
     pub first_val_loss: f64,
     pub final_val_loss: f64,
     pub tokens_per_second: Option<f64>,
     pub train_time: Duration,
-    /// Largest `bytes_reserved` of the device's memory pools seen after a step.
+    /// Largest `bytes_reserved` of a device's memory pools seen after a step (the largest of
+    /// the devices, when there are several).
     pub peak_reserved: Option<u64>,
     pub sample: String,
 }
@@ -77,7 +83,7 @@ pub fn train<B>(
     train_text: &[u8],
     val_text: &[u8],
     settings: &Settings,
-    device: &B::Device,
+    devices: &[B::Device],
     reserved_bytes: &dyn Fn() -> Option<u64>,
 ) -> io::Result<Report>
 where
@@ -85,6 +91,8 @@ where
     B::InnerBackend: FlashAttentionBackend,
 {
     let s = settings;
+    // Validation and sampling run on the first device.
+    let device = &devices[0];
     let mut optimizer = AdamWConfig::new()
         .with_weight_decay(s.weight_decay)
         .with_grad_clipping(Some(GradientClippingConfig::Norm(1.0)))
@@ -106,19 +114,29 @@ where
     let (mut timed, mut timed_tokens, mut train_time) = (Duration::ZERO, 0usize, Duration::ZERO);
     let mut peak_reserved = reserved_bytes();
     let (mut first_train_loss, mut train_loss) = (f64::NAN, f64::NAN);
-    let first_val_loss = evaluate(&model.valid(), &val_batches, device);
+    // After a step on several devices each parameter lives where its gradients were summed.
+    let gathered = |model: &Gpt<B>| model.valid().to_device(device).cast(s.dtype);
+    let first_val_loss = evaluate(&gathered(&model), &val_batches, device);
     let mut val_loss = first_val_loss;
 
     for step in 1..=s.steps {
         let lr = s.schedule.at(step);
         let batch = batches.next_batch();
         let start = Instant::now();
-        let (inputs, targets) = batch_tensors::<B>(&batch, device);
-        let loss = model.loss(inputs, targets);
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optimizer.step(lr, model, grads);
-        train_loss = loss.into_scalar().elem::<f64>();
-        B::sync(device).expect("device sync");
+        if let [device] = devices {
+            let (inputs, targets) = batch_tensors::<B>(&batch, device);
+            let loss = model.cast(s.dtype).loss(inputs, targets);
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optimizer.step(lr, model, grads);
+            train_loss = loss.into_scalar().elem::<f64>();
+        } else {
+            let grads;
+            (grads, train_loss) = data_parallel_grads(&model, s.dtype, &batch, devices);
+            model = optimizer.step_multi(lr, model, grads);
+        }
+        for device in devices {
+            B::sync(device).expect("device sync");
+        }
         let elapsed = start.elapsed();
         train_time += elapsed;
         if step > UNTIMED_STEPS {
@@ -130,9 +148,10 @@ where
         }
         peak_reserved = peak_reserved.max(reserved_bytes());
 
-        let evaluated = step.is_multiple_of(s.eval_every) || step == s.steps;
+        let evaluated =
+            !val_batches.is_empty() && (step.is_multiple_of(s.eval_every) || step == s.steps);
         if evaluated {
-            val_loss = evaluate(&model.valid(), &val_batches, device);
+            val_loss = evaluate(&gathered(&model), &val_batches, device);
         }
         if let Some(file) = csv.as_mut() {
             let val = if evaluated {
@@ -141,17 +160,16 @@ where
                 String::new()
             };
             writeln!(file, "{step},{lr},{train_loss},{val}")?;
+            // Flushed per line, so that a run cut short still leaves its curve so far.
+            file.flush()?;
         }
         let tokens_per_second =
             (timed_tokens > 0).then(|| timed_tokens as f64 / timed.as_secs_f64());
         progress.update(step, lr, train_loss, val_loss, tokens_per_second);
     }
     progress.finish();
-    if let Some(mut file) = csv {
-        file.flush()?;
-    }
 
-    let sample = generate(&model.valid(), &s.prompt, s.sample_len, s.seed, device);
+    let sample = generate(&gathered(&model), &s.prompt, s.sample_len, s.seed, device);
     Ok(Report {
         first_train_loss,
         final_train_loss: train_loss,
@@ -162,6 +180,56 @@ where
         peak_reserved,
         sample,
     })
+}
+
+/// One data-parallel step's gradients and mean loss, the way burn-train's multi-device learner
+/// takes it: the model forked onto each device (a fork has its own autodiff graph), each device's
+/// share of the batch forward and backward on a thread of its own, and the gradients returned
+/// per device for the optimizer's `step_multi`, which sums each parameter's gradients on one
+/// device (chosen by parameter id, the same every step) and updates the parameter there.
+fn data_parallel_grads<B>(
+    model: &Gpt<B>,
+    dtype: DType,
+    batch: &Batch,
+    devices: &[B::Device],
+) -> (MultiGradientsParams, f64)
+where
+    B: AutodiffBackend + FlashAttentionBackend,
+    B::InnerBackend: FlashAttentionBackend,
+{
+    let parts = devices.len();
+    // Forked here, one device after another: a fork copies parameters between devices, and
+    // CubeCL pairs each copy's send and receive on the two devices' queues in submission order.
+    let replicas: Vec<Gpt<B>> = devices.iter().map(|d| model.clone().fork(d)).collect();
+    let outputs: Vec<(GradientsParams, f64)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = replicas
+            .into_iter()
+            .zip(batch.shards(parts))
+            .zip(devices)
+            .map(|((replica, shard), device)| {
+                scope.spawn(move || {
+                    let (inputs, targets) = batch_tensors::<B>(&shard, device);
+                    let loss = replica.cast(dtype).loss(inputs, targets);
+                    // The whole batch's mean is the mean of the shards' means, so each shard's
+                    // gradients are scaled by 1/parts before the optimizer sums them.
+                    let grads = loss.clone().div_scalar(parts as f64).backward();
+                    let grads = GradientsParams::from_grads(grads, &replica);
+                    (grads, loss.into_scalar().elem::<f64>())
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|worker| worker.join().expect("a training thread panicked"))
+            .collect()
+    });
+    let loss = outputs.iter().map(|(_, loss)| loss).sum::<f64>() / parts as f64;
+    let grads = outputs
+        .into_iter()
+        .zip(devices)
+        .map(|((grads, _), device)| (grads, device.to_id()))
+        .collect();
+    (MultiGradientsParams { grads }, loss)
 }
 
 fn batch_tensors<B: FlashAttentionBackend>(
@@ -175,7 +243,7 @@ fn batch_tensors<B: FlashAttentionBackend>(
     (tensor(&batch.inputs), tensor(&batch.targets))
 }
 
-/// Mean loss over the batches.
+/// Mean loss over the batches (NaN for none).
 fn evaluate<B: FlashAttentionBackend>(
     model: &Gpt<B>,
     batches: &[Batch],
@@ -280,7 +348,74 @@ impl Progress {
 
 #[cfg(test)]
 mod tests {
-    use super::Schedule;
+    use burn::backend::wgpu::WgpuDevice;
+    use burn::backend::{Autodiff, Wgpu};
+    use burn::module::{ModuleVisitor, Param};
+    use burn::optim::SgdConfig;
+    use burn::tensor::backend::Backend;
+
+    use super::*;
+    use crate::model::GptConfig;
+
+    /// Every float parameter of a module, flattened.
+    struct Flatten(Vec<f32>);
+
+    impl<B: Backend> ModuleVisitor<B> for Flatten {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let values = param.val().into_data().convert::<f32>();
+            self.0.extend(values.into_vec::<f32>().expect("f32 values"));
+        }
+    }
+
+    fn flatten<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
+        let mut flat = Flatten(Vec::new());
+        module.visit(&mut flat);
+        flat.0
+    }
+
+    /// Plain SGD (its step is the gradient times the rate, so a mis-scaled gradient shows) on
+    /// two "devices" (the one lavapipe device, twice: the shards, the scaling and Burn's sum of
+    /// the per-device gradients are what is checked) against one step on the whole batch.
+    #[test]
+    fn data_parallel_step_is_the_whole_batch_step() {
+        type B = Autodiff<Wgpu>;
+        let device = WgpuDevice::default();
+        let model = GptConfig::new(256, 16, 1, 32, 2).init::<B>(&device);
+        let text: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+        let batch = Batches::new(&text, 4, 16, 5).next_batch();
+        let start = flatten(&model);
+
+        let mut sgd = SgdConfig::new().init::<B, Gpt<B>>();
+        let (inputs, targets) = batch_tensors::<B>(&batch, &device);
+        let loss = model.loss(inputs, targets);
+        let whole_loss = loss.clone().into_scalar().elem::<f64>();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let whole = flatten(&sgd.step(0.5, model.clone(), grads));
+
+        let mut sgd = SgdConfig::new().init::<B, Gpt<B>>();
+        let devices = [device.clone(), device];
+        let (grads, parallel_loss) = data_parallel_grads(&model, DType::F32, &batch, &devices);
+        let parallel = flatten(&sgd.step_multi(0.5, model, grads));
+
+        assert!(
+            (whole_loss - parallel_loss).abs() < 1e-5,
+            "{whole_loss} vs {parallel_loss}"
+        );
+        let moved: f32 = whole.iter().zip(&start).map(|(a, b)| (a - b).abs()).sum();
+        let apart: f32 = whole
+            .iter()
+            .zip(&parallel)
+            .map(|(a, b)| (a - b).abs())
+            .sum();
+        assert!(
+            moved > 1e-2,
+            "the step moved the parameters by {moved} in all"
+        );
+        assert!(
+            apart < 1e-4 * moved,
+            "parallel step {apart} away; the step moved {moved}"
+        );
+    }
 
     #[test]
     fn schedule_warms_up_then_decays_to_the_minimum() {
