@@ -10,6 +10,9 @@
 #   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
 #   scripts/gpu-run.sh features # issue 6's feature table (FEATURE_MODES, default fwd)
 #   scripts/gpu-run.sh memory  # one training step per impl and length (b1 h16 d128), one process each
+#   scripts/gpu-run.sh gpt-curves # examples/gpt, GPT-2 small at context 1024, per attention (GPT_ATTN)
+#   scripts/gpu-run.sh gpt-sweep  # tokens/s and memory per context (GPT_CONTEXTS), per attention
+#   scripts/gpu-run.sh gpt-multi  # data-parallel on GPT_DEVICES GPUs against one, same machine
 #
 # Several stages may be given; they run in order.
 set -uo pipefail
@@ -18,7 +21,25 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 for f in .gpu/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
-chmod +x .gpu/test-* .gpu/bench-* 2>/dev/null
+chmod +x .gpu/test-* .gpu/bench-* .gpu/gpt 2>/dev/null
+if [ -e .gpu/fortunes.tar ]; then mkdir -p /tmp/corpus && tar -xf .gpu/fortunes.tar -C /tmp/corpus; fi
+# CubeCL's autotune results and compiled PTX, kept between calls: a GPT process otherwise spends
+# its first five minutes compiling and autotuning Burn's kernels on the CPU. CACHE=1 turns the
+# PTX cache on and returns both as $OUT/cubecl-cache.tar.xz (kept as .gpu/cubecl-cache.tar.xz).
+if [ "${CACHE:-0}" = 1 ]; then
+  printf '[compilation]\ncache = "target"\n\n[autotune]\ncache = "target"\n' >cubecl.toml
+  if [ -e .gpu/cubecl-cache.tar ]; then mkdir -p target && tar -xf .gpu/cubecl-cache.tar -C target; fi
+  trap 'tar -cf - -C target . | xz -T0 -6 >"$OUT/cubecl-cache.tar.xz"' EXIT
+fi
+# GPT-2 small in bf16 on the fortunes corpus (docs/gpt.md), the same for every gpt stage.
+GPT=(.gpu/gpt --data /tmp/corpus/fortunes --layers 12 --d-model 768 --heads 12 --dtype bf16
+  --lr 6e-4 --min-lr 6e-5 --log-every 25)
+# A GPT run's time limit: GPT_TIMEOUT, cut so that the script ends by GPT_DEADLINE seconds.
+gpt_limit() {
+  local left=$(( ${GPT_DEADLINE:-100000} - SECONDS ))
+  left=$(( left < ${GPT_TIMEOUT:-300} ? left : ${GPT_TIMEOUT:-300} ))
+  echo $(( left < 1 ? 1 : left ))  # never 0: `timeout 0` waits forever
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt"
 cat "$OUT/gpu.txt"
 
@@ -134,6 +155,45 @@ EOF
       done
     done
     awk 'NR == 1 || !/^impl,/' "$OUT/memory.raw" | tee "$OUT/memory.csv"
+    ;;
+  gpt-curves)
+    # The same seed and configuration under each attention: the loss curves.
+    for a in ${GPT_ATTN:-flash burn unfused}; do
+      timeout "$(gpt_limit)" "${GPT[@]}" --attention "$a" --context 1024 --batch 16 \
+        --steps "${GPT_STEPS:-300}" --warmup 30 --eval-every 25 --eval-batches 8 \
+        --csv "$OUT/gpt-curve-$a.csv" >"$OUT/gpt-curve-$a.log" 2>&1
+      echo "$a rc=$? $(grep '^summary' "$OUT/gpt-curve-$a.log")" | tee -a "$OUT/gpt-curves.txt"
+    done
+    ;;
+  gpt-sweep)
+    # 16384 tokens per step at every context (the batch shrinks as it grows, down to 1); an
+    # attention stops at its first failure (out of memory, or the time limit).
+    for a in ${GPT_ATTN:-flash burn unfused}; do
+      for cb in ${GPT_CONTEXTS:-1024:16 2048:8 4096:4 8192:2 16384:1 32768:1 65536:1}; do
+        timeout "$(gpt_limit)" "${GPT[@]}" --attention "$a" --context "${cb%:*}" \
+          --batch "${cb#*:}" --steps 25 --warmup 5 --eval-batches 0 \
+          --sample-len 0 >"$OUT/gpt-sweep-$a-${cb%:*}.log" 2>&1
+        rc=$?
+        echo "$a ${cb%:*}x${cb#*:} rc=$rc $(grep '^summary' "$OUT/gpt-sweep-$a-${cb%:*}.log")" \
+          | tee -a "$OUT/gpt-sweep.txt"
+        [ $rc -eq 0 ] || break
+      done
+    done
+    ;;
+  gpt-multi)
+    # Burn's multi-device step moves tensors between GPUs through NCCL, which cudarc opens as
+    # libnccl.so: PyTorch's copy serves.
+    nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__path__[0]) + "/nccl/lib")' 2>/dev/null)
+    mkdir -p /tmp/nccl && ln -sf "$(ls "$nccl"/libnccl.so* | head -1)" /tmp/nccl/libnccl.so
+    export LD_LIBRARY_PATH=/tmp/nccl:$LD_LIBRARY_PATH
+    for db in ${GPT_MULTI:-1:16 2:32 2:16}; do
+      timeout "$(gpt_limit)" "${GPT[@]}" --attention flash --context 1024 \
+        --devices "${db%:*}" --batch "${db#*:}" --steps "${GPT_STEPS:-100}" --warmup 10 \
+        --eval-every 50 --eval-batches 4 --csv "$OUT/gpt-multi-${db/:/x}.csv" \
+        >"$OUT/gpt-multi-${db/:/x}.log" 2>&1
+      echo "devices ${db%:*} batch ${db#*:} rc=$? $(grep '^summary' "$OUT/gpt-multi-${db/:/x}.log")" \
+        | tee -a "$OUT/gpt-multi.txt"
+    done
     ;;
   profile)
     # One launch of each kernel after a warm-up step, full section set, clocks left alone

@@ -2,8 +2,21 @@
 # Build the CUDA test and benchmark binaries here (the GPU machine has no Rust), strip and
 # compress them into .gpu/ (git-ignored), ready to be carried to the GPU machine, where
 # scripts/gpu-run.sh runs them.
+#
+#   scripts/pack-gpu.sh       # tests, benchmarks, the GPT example and its corpus
+#   scripts/pack-gpu.sh gpt   # only the GPT example and its corpus, beside what .gpu/ holds
 set -euo pipefail
 cd "$(dirname "$0")/.."
+pack_gpt() {
+  cargo build --release --features cuda -p gpt
+  rm -f .gpu/gpt.xz .gpu/fortunes.tar
+  cp target/release/gpt .gpu/gpt && strip .gpu/gpt && xz -T2 -6 .gpu/gpt
+  # The default corpus (Debian's fortunes), which the GPU machine does not have.
+  tar -cf .gpu/fortunes.tar -C /usr/share/games fortunes
+}
+if [ "${1:-}" = gpt ]; then
+  mkdir -p .gpu && pack_gpt && ls -la .gpu && exit 0
+fi
 rm -rf .gpu && mkdir -p .gpu
 # The suite's one test binary (its CUDA tests are the modules `forward_cuda`, `backward_cuda`).
 cargo test --release --features cuda --test suite --no-run \
@@ -28,4 +41,5 @@ for line in sys.stdin:
 cp ../shared/tools/torch_sdpa_bench.py .gpu/
 strip .gpu/test-* .gpu/bench-* 2>/dev/null || true
 xz -T2 -6 .gpu/test-* .gpu/bench-*
+pack_gpt
 ls -la .gpu
