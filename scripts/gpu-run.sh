@@ -184,8 +184,15 @@ EOF
     # Burn's multi-device step moves tensors between GPUs through NCCL, which cudarc opens as
     # libnccl.so: PyTorch's copy serves.
     nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__path__[0]) + "/nccl/lib")' 2>/dev/null)
+    [ -n "$nccl" ] || nccl=$(dirname "$(ldconfig -p | awk '/libnccl\.so/ { print $NF; exit }')")
     mkdir -p /tmp/nccl && ln -sf "$(ls "$nccl"/libnccl.so* | head -1)" /tmp/nccl/libnccl.so
     export LD_LIBRARY_PATH=/tmp/nccl:$LD_LIBRARY_PATH
+    # Autotune results are kept per device index; the GPUs of one machine are alike, so the
+    # first device's serve the others instead of five more minutes of tuning each.
+    tuned=target/autotune/0.10.0/device-0-0-cuda
+    for i in 1 2 3 4 5 6 7; do
+      [ -d "$tuned" ] && [ ! -e "${tuned%0-cuda}$i-cuda" ] && cp -r "$tuned" "${tuned%0-cuda}$i-cuda"
+    done
     for db in ${GPT_MULTI:-1:16 2:32 2:16}; do
       timeout "$(gpt_limit)" "${GPT[@]}" --attention flash --context 1024 \
         --devices "${db%:*}" --batch "${db#*:}" --steps "${GPT_STEPS:-100}" --warmup 10 \
