@@ -44,6 +44,7 @@
 
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use burn::backend::wgpu::WgpuDevice;
@@ -59,7 +60,7 @@ use burn_flash::{
 const USAGE: &str = "\
 usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
                  [--causal both|true|false] [--window LEFT] [--softcap CAP]
-                 [--mask keypad|full] [--bias heads] [--dropout P] [--alibi]
+                 [--mask keypad|full] [--bias heads] [--dropout P] [--alibi] [--atomic-dq]
                  [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
                  [--backend auto|cuda|wgpu] [--iters N] [--warmup N] [--sets N]
                  [--budget-ms MS] [--row-seconds S] [--modes fwd,fwdbwd] [--memory]
@@ -78,6 +79,8 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
            its gradient in fwdbwd. Rows IMPL-bias; Burn's peers get it expanded.
 --dropout: attention dropout of probability P (burn-flash only; rows burn-flash-dropP).
 --alibi:   ALiBi's biases computed in the kernel (burn-flash only; rows burn-flash-alibi).
+--atomic-dq: the backward adds dQ by atomics (`with_deterministic(false)`; burn-flash only;
+           rows burn-flash-atomicdq).
 --peers:   a CSV of the same columns from another program on this device (torch_sdpa_bench.py),
            whose rows join the summary printed after the CSV.";
 
@@ -94,6 +97,7 @@ struct Args {
     softcap: Option<f64>,
     dropout: Option<f64>,
     alibi: bool,
+    atomic_dq: bool,
     mask: Option<String>,
     bias: bool,
     causal: Vec<bool>,
@@ -138,6 +142,7 @@ fn parse_args() -> Args {
         softcap: None,
         dropout: None,
         alibi: false,
+        atomic_dq: false,
         mask: None,
         bias: false,
         causal: vec![false, true],
@@ -169,6 +174,10 @@ fn parse_args() -> Args {
         }
         if flag == "--alibi" {
             args.alibi = true;
+            continue;
+        }
+        if flag == "--atomic-dq" {
+            args.atomic_dq = true;
             continue;
         }
         let value = it
@@ -273,6 +282,19 @@ fn dtype_name(dtype: DType) -> &'static str {
 /// Python's spelling of a bool, as `torch_sdpa_bench.py` prints it.
 fn py_bool(value: bool) -> &'static str {
     if value { "True" } else { "False" }
+}
+
+/// Set by any panic in the process, including one on a device's server thread (a kernel that
+/// failed to compile or launch), which the calling thread does not see: a row timed across one
+/// is not reported.
+static PANICKED: AtomicBool = AtomicBool::new(false);
+
+fn watch_panics() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        PANICKED.store(true, Ordering::SeqCst);
+        previous(info);
+    }));
 }
 
 fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
@@ -479,7 +501,9 @@ fn run<B: FlashAttentionBackend>(
                 if let Some(prob) = args.dropout {
                     options = options.with_dropout(prob, 7);
                 }
-                options = options.with_alibi(args.alibi);
+                options = options
+                    .with_alibi(args.alibi)
+                    .with_deterministic(!args.atomic_dq);
                 let forward_flops = 4.0 * (b * h * d) as f64 * pairs;
                 let flops = forward_flops * if mode == "fwdbwd" { 3.5 } else { 1.0 };
                 let prefix = format!(
@@ -513,6 +537,9 @@ fn run<B: FlashAttentionBackend>(
                     }
                     if args.alibi {
                         variant += "-alibi";
+                    }
+                    if args.atomic_dq {
+                        variant += "-atomicdq";
                     }
                     if !variant.is_empty() && name != "burn-flash" {
                         println!("# {name},{prefix},{mode} skipped: no{variant} variant");
@@ -584,6 +611,7 @@ fn measure<B: FlashAttentionBackend>(
     s: &Settings,
     args: &Args,
 ) -> Outcome {
+    PANICKED.store(false, Ordering::SeqCst);
     let result = catch_unwind(AssertUnwindSafe(|| {
         // First call: compilation and autotune, not timed against the budget.
         let first = timed_batch(device, call, name, inputs, 0, 1, options);
@@ -609,6 +637,12 @@ fn measure<B: FlashAttentionBackend>(
             .collect();
         Ok((median_ms(&mut times), iters * batch))
     }));
+    let result = match result {
+        Ok(Ok(_)) if PANICKED.load(Ordering::SeqCst) => {
+            Err(Box::new("a panic on another thread (see stderr)".to_string()) as _)
+        }
+        other => other,
+    };
     match result {
         Ok(Ok((ms, iters))) => {
             let tflops = flops / ms / 1e9;
@@ -824,6 +858,7 @@ fn memory(device: burn::backend::cuda::CudaDevice, args: &Args, s: &Settings) {
 
 fn main() {
     let args = parse_args();
+    watch_panics();
 
     #[cfg(feature = "cuda")]
     if args.backend != "wgpu" {

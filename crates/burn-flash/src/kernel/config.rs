@@ -324,7 +324,25 @@ impl TileConfig {
         } else {
             0
         };
-        self.shared_bytes(elem_size) + (second + self.transpose_scratch()) * elem_size
+        self.shared_bytes(elem_size)
+            + (second + self.transpose_scratch()) * elem_size
+            + self.stats_elems() * 4
+    }
+
+    /// f32 elements of the backward's staged query statistics (log-sum-exp and D per staged
+    /// row), per stage: two stages on the tensor-core tile, one on the portable tile.
+    pub fn stats_elems(&self) -> usize {
+        let stages = if self.tile == TilePath::TensorCore {
+            2
+        } else {
+            1
+        };
+        stages * 2 * self.block_kv
+    }
+
+    /// Statistics each unit fetches per staged block (`2 · block_kv` over the cube's units).
+    pub fn stats_per_unit(&self) -> usize {
+        (2 * self.block_kv).div_ceil(self.units())
     }
 
     /// Whether shared-memory rows are stored with their 16-byte chunks XOR-swizzled by row, so

@@ -26,17 +26,31 @@ pub fn stage_offset(
     }
 }
 
-/// [`stage_offset`] (swizzled) of row `row0 + lane_row`, 16-byte chunk `chunk0 + lane_chunk`,
-/// split into a part that depends on the lane only and a compile-time constant, so that every
-/// fragment read of an unrolled product costs one register plus an immediate offset instead of
-/// its own swizzle arithmetic. The per-lane part depends only on `chunk0 % 8`, so at most eight
-/// distinct values exist and the compiler computes each once.
+/// A shared-memory index that compile-time offsets will be added to, masked to the range of
+/// shared-memory indices (below 2^17: 228 KiB of 16-bit elements at most), which changes no valid
+/// index. Indices are 32-bit unsigned, so without a bound the compiler must assume that adding
+/// the constant may wrap and cannot fold it into the instruction's immediate offset: it then
+/// spends an add and a shift per shared-memory access.
+#[cube]
+pub fn smem_anchor(index: usize) -> usize {
+    index & comptime!((1usize << 17) - 1)
+}
+
+/// `base` plus [`stage_offset`] (swizzled) of row `row0 + lane_row`, 16-byte chunk
+/// `chunk0 + lane_chunk`, split into a part that depends on the lane and `base` only and a
+/// compile-time constant, so that every fragment read of an unrolled product costs one register
+/// plus an immediate offset instead of its own swizzle arithmetic. The per-lane part depends only
+/// on `chunk0 % 8`, so at most eight distinct values exist and the compiler computes each once
+/// per `base`.
+///
+/// The per-lane part is a [`smem_anchor`], so the constant becomes the immediate offset.
 ///
 /// Requires `row0 % 8 == 0` (the row's swizzle key is then `lane_row % 8`) and `lane_chunk`
 /// below the largest power of two dividing `chunk0` (the sum is then an XOR); the callers'
 /// lane patterns satisfy both by construction.
 #[cube]
 pub fn swizzled_offset(
+    base: usize,
     lane_row: usize,
     lane_chunk: usize,
     #[comptime] row0: usize,
@@ -44,7 +58,8 @@ pub fn swizzled_offset(
     #[comptime] width: usize,
 ) -> usize {
     let key = (lane_chunk ^ (lane_row % 8)) ^ comptime!(chunk0 % 8);
-    lane_row * width + key * CHUNK + comptime!(row0 * width + (chunk0 - chunk0 % 8) * CHUNK)
+    smem_anchor(base + lane_row * width + key * CHUNK)
+        + comptime!(row0 * width + (chunk0 - chunk0 % 8) * CHUNK)
 }
 
 /// Issue asynchronous copies of rows `[first_row, first_row + rows)` of one head of `src`
@@ -80,6 +95,7 @@ pub fn copy_block_async<E: Float>(
             let row = comptime!(pass * pass_rows) + lane_row;
             let dst = if comptime!(pass_rows % 8 == 0) {
                 swizzled_offset(
+                    stage_base,
                     lane_row,
                     lane_chunk,
                     comptime!(pass * pass_rows),
@@ -87,7 +103,7 @@ pub fn copy_block_async<E: Float>(
                     stride,
                 )
             } else {
-                stage_offset(row, lane_chunk * CHUNK, stride, true)
+                stage_base + stage_offset(row, lane_chunk * CHUNK, stride, true)
             };
             copy_chunk::<E>(
                 src,
@@ -96,7 +112,7 @@ pub fn copy_block_async<E: Float>(
                 first_row + row,
                 seq,
                 stage,
-                stage_base + dst,
+                dst,
             );
         }
     } else {

@@ -2,8 +2,8 @@
 //! as tile operands and, for each query head of the group reading that key/value head, walks the
 //! query blocks that can see them, staging Q and dO. Summing the group in registers gives GQA's
 //! reduced dK/dV with no atomics and no per-query-head copy. Given a dQ accumulator
-//! (`[b, h, seq_q, head_dim]` f32, contiguous, zeroed), it also adds each staged query block's
-//! `dS·K` to it with atomics, so no separate dQ launch is needed.
+//! (`[b, h, seq_q, head_dim]` f32, contiguous, zeroed, read as vectors of `N`), it also adds
+//! each staged query block's `dS·K` to it with atomics, so no separate dQ launch is needed.
 
 use cubecl::prelude::*;
 
@@ -14,9 +14,14 @@ use crate::kernel::mask::{Band, query_range};
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
 
-#[cube(launch_unchecked, address_type = "dynamic")]
+// `exp` as the forward computes it (`__expf`), which the backward's `P` must reproduce.
+#[cube(
+    launch_unchecked,
+    address_type = "dynamic",
+    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+)]
 #[allow(clippy::too_many_arguments)]
-pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>>(
+pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
@@ -27,7 +32,7 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>>(
     delta: &Tensor<f32>,
     d_k: &mut Tensor<E>,
     d_v: &mut Tensor<E>,
-    d_q_accum: &mut ComptimeOption<Tensor<Atomic<f32>>>,
+    d_q_accum: &mut ComptimeOption<Tensor<Atomic<Vector<f32, N>>>>,
     scale: f32,
     band_left: u32,
     band_right: u32,
@@ -98,7 +103,7 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>>(
     };
     // Owning keys, the bias gradient is left to the dQ launch.
     let mut no_bias_grad = ComptimeOption::<Tensor<E>>::new_None();
-    walk::<E, M, T>(
+    walk::<E, M, T, N>(
         &keys,
         &values,
         q,

@@ -74,6 +74,26 @@ fn atomic_dq_usable<R: CubeRuntime>(
         && fits_shared(client, "backward", atomic.backward_shared_bytes(elem_size)).is_ok()
 }
 
+/// Columns per atomic add of the dQ accumulator: 4 where the runtime adds `float4` atomically
+/// (CUDA on SM90+) on the tensor-core tile, else 1 (and always 1 on the portable tile, whose units
+/// add single elements). `BURN_FLASH_DQ_VECTOR=1` forces 1, to run the SM80 form on newer GPUs.
+fn dq_vector_width<R: CubeRuntime>(client: &ComputeClient<R>, cfg: &TileConfig) -> usize {
+    static SCALAR: OnceLock<bool> = OnceLock::new();
+    let scalar =
+        *SCALAR.get_or_init(|| std::env::var("BURN_FLASH_DQ_VECTOR").as_deref() == Ok("1"));
+    let float4 =
+        Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(4);
+    let adds_float4 = client
+        .properties()
+        .atomic_type_usage(float4)
+        .contains(AtomicUsage::Add);
+    if cfg.tile == TilePath::TensorCore && adds_float4 && !scalar {
+        4
+    } else {
+        1
+    }
+}
+
 /// The gradients of one backward: `bias` is the gradient of the scores, `[b, h, sq, sk]` in the
 /// inputs' dtype, when it was asked for (the caller sums it over the bias's broadcast dims).
 pub struct Grads<R: CubeRuntime> {
@@ -156,6 +176,7 @@ pub fn backward<R: CubeRuntime>(
         .map(|t| t.required_address_type())
         .max()
         .unwrap_or_default();
+    let dq_width = dq_vector_width(&client, &cfg);
     let elem: StorageType = dtype.into();
     let dtypes = [elem, inputs.mask_dtype()];
     let grid = |rows: usize, heads: usize| {
@@ -195,6 +216,7 @@ pub fn backward<R: CubeRuntime>(
                         grid(seq_k, kv_heads),
                         cube_dim(&cfg),
                         address,
+                        dq_width,
                         q.clone().into_tensor_arg(),
                         k.clone().into_tensor_arg(),
                         v.clone().into_tensor_arg(),

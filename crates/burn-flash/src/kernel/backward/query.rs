@@ -11,7 +11,12 @@ use crate::kernel::mask::{Band, kv_blocks};
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
 
-#[cube(launch_unchecked, address_type = "dynamic")]
+// `exp` as the forward computes it (`__expf`), which the backward's `P` must reproduce.
+#[cube(
+    launch_unchecked,
+    address_type = "dynamic",
+    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+)]
 #[allow(clippy::too_many_arguments)]
 pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
@@ -66,7 +71,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     }
     // Owning queries, there is no second gradient and dQ is written directly.
     let mut unused = Array::<f32>::new(1usize);
-    let mut no_accum = ComptimeOption::<Tensor<Atomic<f32>>>::new_None();
+    let mut no_accum = ComptimeOption::<Tensor<Atomic<Vector<f32, Const<1>>>>>::new_None();
 
     let (first_block, end_block) = kv_blocks(span.band, span.owned_start, cfg);
     let sweep = Sweep {
@@ -84,7 +89,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
         batch,
         first_head: head,
     };
-    walk::<E, M, T>(
+    walk::<E, M, T, Const<1>>(
         &queries,
         &grads,
         k,

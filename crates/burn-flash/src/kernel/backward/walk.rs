@@ -19,7 +19,7 @@ use crate::kernel::inputs::{
 };
 use crate::kernel::mask::{Band, block_needs_mask, key_visible};
 use crate::kernel::softmax::Softcap;
-use crate::kernel::stage::{StageBarriers, fetch_stage, load_block};
+use crate::kernel::stage::{StageBarriers, fetch_stage, load_block, smem_anchor};
 use crate::kernel::tile::AttentionTile;
 
 /// Where a backward cube sits and the lengths that bound it.
@@ -71,12 +71,60 @@ fn query_stat(stat: &Tensor<f32>, stat_base: usize, span: Span, query: usize) ->
     select(valid, stat[stat_base + select(valid, query, 0usize)], 0.0)
 }
 
+/// This unit's share of the log-sum-exp and D of the queries `[first_row, first_row +
+/// cfg.block_kv)` of the head at `stat_base` (0 past the end), into `values`: value `id` of the
+/// block is the log-sum-exp of row `id` below `cfg.block_kv`, else D of row `id - cfg.block_kv`.
+/// Owning keys, every score register needs the statistics of its staged query: staged in shared
+/// memory with the block, they cost two shared reads per column pair instead of two global reads
+/// and bound checks per register.
+#[cube]
+fn fetch_stats(
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    stat_base: usize,
+    first_row: usize,
+    seq_q: usize,
+    values: &mut Array<f32>,
+    #[comptime] cfg: TileConfig,
+) {
+    #[unroll]
+    for i in 0..comptime!(cfg.stats_per_unit()) {
+        let id = comptime!(i * cfg.units()) + UNIT_POS as usize;
+        let row = first_row + id % cfg.block_kv;
+        let valid = row < seq_q && id < comptime!(2 * cfg.block_kv);
+        let at = stat_base + select(valid, row, 0usize);
+        let value = if id < cfg.block_kv {
+            lse[at]
+        } else {
+            delta[at]
+        };
+        values[i] = select(valid, value, 0.0);
+    }
+}
+
+/// Store [`fetch_stats`]' values into slot `slot` of `stats` (`2 · cfg.block_kv` per slot).
+#[cube]
+fn store_stats(
+    values: &Array<f32>,
+    stats: &mut SharedMemory<f32>,
+    slot: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    #[unroll]
+    for i in 0..comptime!(cfg.stats_per_unit()) {
+        let id = comptime!(i * cfg.units()) + UNIT_POS as usize;
+        if id < comptime!(2 * cfg.block_kv) {
+            stats[slot * comptime!(2 * cfg.block_kv) + id] = values[i];
+        }
+    }
+}
+
 /// Walk every (member, block) of `sweep` in one loop, so the pipeline runs on across members.
 /// Tensor-core tile: two stages filled by asynchronous copies, the next block in flight while
 /// one is computed; portable tile: one stage of plain loads.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn walk<E: Float, M: Int, T: AttentionTile<E>>(
+pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     first_owned: &T::Query,
     second_owned: &T::Query,
     first: &Tensor<E>,
@@ -91,7 +139,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>>(
     scale: f32,
     grad_first: &mut Array<f32>,
     grad_second: &mut Array<f32>,
-    accum: &mut ComptimeOption<Tensor<Atomic<f32>>>,
+    accum: &mut ComptimeOption<Tensor<Atomic<Vector<f32, N>>>>,
     #[comptime] owns_keys: bool,
     #[comptime] cfg: TileConfig,
 ) {
@@ -114,6 +162,9 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>>(
     }
     let blocks = sweep.end_block - sweep.first_block;
     let steps = sweep.members * blocks;
+    let stats_elems = comptime!(if owns_keys { cfg.stats_elems() } else { 1 });
+    let mut stats = SharedMemory::<f32>::new(stats_elems);
+    let mut next_stats = Array::<f32>::new(comptime!(cfg.stats_per_unit()));
 
     if comptime!(cfg.tile == TilePath::TensorCore) {
         let mut first_stages = SharedMemory::<E>::new_aligned(
@@ -141,9 +192,14 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>>(
                 &barriers,
                 cfg,
             );
+            if comptime!(owns_keys) {
+                fetch_step_stats(lse, delta, sweep, 0, blocks, seq, &mut next_stats, cfg);
+                store_stats(&next_stats, &mut stats, 0, cfg);
+            }
         }
         for step in 0..steps {
             let stage = step % 2;
+            // Also publishes the statistics stored for this stage before it.
             barriers.wait(stage);
             if step + 1 < steps {
                 fetch_step::<E>(
@@ -159,9 +215,22 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>>(
                     &barriers,
                     cfg,
                 );
+                // Loaded now, stored after this block: the latency hides behind its math.
+                if comptime!(owns_keys) {
+                    fetch_step_stats(
+                        lse,
+                        delta,
+                        sweep,
+                        step + 1,
+                        blocks,
+                        seq,
+                        &mut next_stats,
+                        cfg,
+                    );
+                }
             }
             let member = step / blocks;
-            block_grads::<E, M, T>(
+            block_grads::<E, M, T, N>(
                 first_owned,
                 second_owned,
                 &first_stages,
@@ -173,9 +242,6 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>>(
                 d_bias,
                 sweep.batch,
                 sweep.first_head + member,
-                lse,
-                delta,
-                sweep.stat_base + member * sweep.stat_step,
                 &owned_lse,
                 &owned_delta,
                 span,
@@ -185,9 +251,16 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>>(
                 &mut scratch,
                 accum,
                 sweep.accum_base + member * sweep.accum_step,
+                &stats,
+                stage * comptime!(2 * cfg.block_kv),
                 owns_keys,
                 cfg,
             );
+            if comptime!(owns_keys) {
+                // Every unit passed this stage's wait, so none still reads the other slot (after
+                // the last block this stores stale values that nobody reads).
+                store_stats(&next_stats, &mut stats, 1 - stage, cfg);
+            }
         }
     } else {
         let mut scratch = SharedMemory::<E>::new(1usize);
@@ -219,8 +292,12 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>>(
                 cfg.units(),
                 cfg.swizzle(),
             );
+            if comptime!(owns_keys) {
+                fetch_step_stats(lse, delta, sweep, step, blocks, seq, &mut next_stats, cfg);
+                store_stats(&next_stats, &mut stats, 0, cfg);
+            }
             sync_cube();
-            block_grads::<E, M, T>(
+            block_grads::<E, M, T, N>(
                 first_owned,
                 second_owned,
                 &first_stage,
@@ -232,9 +309,6 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>>(
                 d_bias,
                 sweep.batch,
                 sweep.first_head + member,
-                lse,
-                delta,
-                sweep.stat_base + member * sweep.stat_step,
                 &owned_lse,
                 &owned_delta,
                 span,
@@ -244,6 +318,8 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>>(
                 &mut scratch,
                 accum,
                 sweep.accum_base + member * sweep.accum_step,
+                &stats,
+                0,
                 owns_keys,
                 cfg,
             );
@@ -283,13 +359,37 @@ fn fetch_step<E: Float>(
     barriers.commit(stage);
 }
 
+/// [`fetch_stats`] of step `step` of `sweep` (staged rows of member `step / blocks`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fetch_step_stats(
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    sweep: Sweep,
+    step: usize,
+    blocks: usize,
+    seq: usize,
+    values: &mut Array<f32>,
+    #[comptime] cfg: TileConfig,
+) {
+    fetch_stats(
+        lse,
+        delta,
+        sweep.stat_base + step / blocks * sweep.stat_step,
+        (sweep.first_block + step % blocks) * cfg.block_kv,
+        seq,
+        values,
+        cfg,
+    );
+}
+
 /// Gradients from the staged block at `stage` whose first row is `staged_start`, for query
 /// head `head`: owning keys, `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, and with an accumulator its block
 /// of `dQ += dS·K` by atomics; owning queries, `dQ += dS·K` and the bias gradient if asked. All
 /// unscaled.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn block_grads<E: Float, M: Int, T: AttentionTile<E>>(
+fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     first_owned: &T::Query,
     second_owned: &T::Query,
     first_stages: &SharedMemory<E>,
@@ -301,9 +401,6 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>>(
     d_bias: &mut ComptimeOption<Tensor<E>>,
     batch: usize,
     head: usize,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
-    stat_base: usize,
     owned_lse: &Array<f32>,
     owned_delta: &Array<f32>,
     span: Span,
@@ -311,8 +408,10 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>>(
     grad_first: &mut Array<f32>,
     grad_second: &mut Array<f32>,
     scratch: &mut SharedMemory<E>,
-    accum: &mut ComptimeOption<Tensor<Atomic<f32>>>,
+    accum: &mut ComptimeOption<Tensor<Atomic<Vector<f32, N>>>>,
     accum_base: usize,
+    stats: &SharedMemory<f32>,
+    stats_base: usize,
     #[comptime] owns_keys: bool,
     #[comptime] cfg: TileConfig,
 ) {
@@ -369,15 +468,17 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>>(
         owns_keys,
         cfg,
     );
+    // The staged statistics of register 0's column; the others are a compile-time distance
+    // from it.
+    let (_row, first_col) = T::score_position(0usize, cfg);
+    let stats_at = smem_anchor(stats_base + first_col);
     #[unroll]
     for reg in 0..cfg.score_regs() {
         let slot = comptime!(cfg.score_slot(reg));
         let (_row, col) = T::score_position(reg, cfg);
         let (row_lse, row_delta) = if comptime!(owns_keys) {
-            (
-                query_stat(lse, stat_base, span, staged_start + col),
-                query_stat(delta, stat_base, span, staged_start + col),
-            )
+            let at = stats_at + (col - first_col);
+            (stats[at], stats[at + cfg.block_kv])
         } else {
             (owned_lse[slot], owned_delta[slot])
         };
@@ -442,7 +543,7 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>>(
     );
     #[comptime]
     if let ComptimeOption::Some(accum) = accum {
-        T::add_transposed_product(
+        T::add_transposed_product::<N>(
             &grads,
             first_owned,
             scratch,

@@ -97,6 +97,7 @@ fn query_fragment<E: Float>(
     let lane = UNIT_POS_X as usize;
     let lane_row = UNIT_POS_Y as usize * cfg.plane_rows + lane % 16usize;
     let at = swizzled_offset(
+        0usize,
         lane_row,
         lane / 16usize,
         comptime!(m * MMA_M),
@@ -170,14 +171,14 @@ fn rows_product<E: Float>(
     let out_tiles = comptime!(cols / MMA_N);
     #[unroll]
     for tiles in 0..cols / (2 * MMA_N) {
-        let at = base
-            + swizzled_offset(
-                lane_row,
-                lane_chunk,
-                row0,
-                comptime!((col0 + tiles * 2 * MMA_N) / CHUNK),
-                width,
-            );
+        let at = swizzled_offset(
+            base,
+            lane_row,
+            lane_chunk,
+            row0,
+            comptime!((col0 + tiles * 2 * MMA_N) / CHUNK),
+            width,
+        );
         let b = def.load_matrix::<E, Const<2>>(
             &rows.slice(at, at + CHUNK),
             MatrixIdent::B,
@@ -205,13 +206,13 @@ fn rows_product<E: Float>(
 /// holds `G` (owned × staged, swizzled, `cfg.block_kv` wide), `owned` the owned rows
 /// (`cfg.head_dim` wide). The head dim is covered 64 columns at a time (32 where 64 does not
 /// divide it) so that the f32 accumulators (32 registers per chunk) fit beside the launch's dK
-/// and dV; each chunk is then added to `accum` with one atomic per element.
+/// and dV; each chunk is then added to `accum` by [`add_tile`], `N` columns per atomic.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn transposed_product<E: Float>(
+fn transposed_product<E: Float, N: Size>(
     scratch: &SharedMemory<E>,
     owned: &SharedMemory<E>,
-    accum: &mut Tensor<Atomic<f32>>,
+    accum: &mut Tensor<Atomic<Vector<f32, N>>>,
     accum_base: usize,
     staged_start: usize,
     staged_len: usize,
@@ -228,7 +229,6 @@ fn transposed_product<E: Float>(
     // (+8, +8): the A operand of one 16-deep step of Gᵀ.
     let g_row = lane / 16usize * 8usize + lane % 8usize;
     let g_chunk = lane / 8usize % 2usize;
-    let row_stride = accum.stride(2);
     #[unroll]
     for part in 0..cfg.head_dim / chunk_cols {
         let mut acc_regs = Array::<f32>::new(comptime!(m_tiles * out_tiles * 4));
@@ -242,6 +242,7 @@ fn transposed_product<E: Float>(
             #[unroll]
             for m in 0..m_tiles {
                 let at = swizzled_offset(
+                    0usize,
                     g_row,
                     (plane_first + comptime!(m * MMA_M)) / CHUNK + g_chunk,
                     comptime!(step * MMA_K),
@@ -272,14 +273,70 @@ fn transposed_product<E: Float>(
             );
         }
         #[unroll]
-        for reg in 0..m_tiles * out_tiles * 4 {
-            let local = comptime!(reg % (out_tiles * 4));
-            let (row, col) = acc_position::<E>(comptime!(local % 4));
-            let staged =
-                staged_start + plane_first + comptime!(reg / (out_tiles * 4) * MMA_M) + row;
-            if staged < staged_len {
-                let column = comptime!(part * chunk_cols + local / 4 * MMA_N) + col;
-                accum[accum_base + staged * row_stride + column].fetch_add(acc_regs[reg]);
+        for m in 0..m_tiles {
+            #[unroll]
+            for tile in 0..out_tiles {
+                add_tile::<E, N>(
+                    &acc_regs,
+                    comptime!((m * out_tiles + tile) * 4),
+                    accum,
+                    accum_base,
+                    staged_start + plane_first + comptime!(m * MMA_M),
+                    comptime!(part * chunk_cols + tile * MMA_N),
+                    staged_len,
+                    cfg,
+                );
+            }
+        }
+    }
+}
+
+/// Add the m16n8 accumulator tile at registers `first..first + 4` to rows `row0..row0 + 16`,
+/// columns `col0..col0 + 8` of `accum` (`cfg.head_dim` wide, from element `accum_base`), skipping
+/// rows at or past `staged_len`. `N` is 4 or 1: a lane holds columns (2t, 2t + 1) of rows g and
+/// g + 8; for 4-wide atomics (SM90 adds a `float4` in one instruction), lanes t and t ^ 1 swap
+/// halves so that the even one holds 4 columns of row g and the odd one 4 of row g + 8; else each
+/// lane adds its 4 elements one by one.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_tile<E: Float, N: Size>(
+    regs: &Array<f32>,
+    #[comptime] first: usize,
+    accum: &mut Tensor<Atomic<Vector<f32, N>>>,
+    accum_base: usize,
+    row0: usize,
+    #[comptime] col0: usize,
+    staged_len: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    let width = accum.vector_size();
+    let (row, col) = acc_position::<E>(0usize);
+    // Element offset of (row, column 0 of the tile); every atomic's column is a multiple of N.
+    let base = accum_base + col0;
+    if comptime!(width == 4) {
+        let odd = UNIT_POS_X % 2u32 == 1u32;
+        let sent_0 = plane_shuffle_xor(select(odd, regs[first], regs[first + 2]), 1u32);
+        let sent_1 = plane_shuffle_xor(select(odd, regs[first + 1], regs[first + 3]), 1u32);
+        let mut sum = Vector::<f32, N>::empty();
+        sum[0] = select(odd, sent_0, regs[first]);
+        sum[1] = select(odd, sent_1, regs[first + 1]);
+        sum[2] = select(odd, regs[first + 2], sent_0);
+        sum[3] = select(odd, regs[first + 3], sent_1);
+        let row = row0 + row + select(odd, 8usize, 0usize);
+        if row < staged_len {
+            let column = col - select(odd, 2usize, 0usize);
+            accum[(base + row * cfg.head_dim + column) / width].fetch_add(sum);
+        }
+    } else {
+        #[unroll]
+        for half in 0..2usize {
+            let row = row0 + row + comptime!(half * 8);
+            if row < staged_len {
+                #[unroll]
+                for i in 0..2usize {
+                    let at = base + row * cfg.head_dim + col + i;
+                    accum[at].fetch_add(Vector::new(regs[comptime!(first + half * 2 + i)]));
+                }
             }
         }
     }
@@ -373,14 +430,14 @@ impl<E: Float> AttentionTile<E> for MmaTile {
             }
             #[unroll]
             for tile in 0..n_tiles {
-                let at = stage_base
-                    + swizzled_offset(
-                        key_row,
-                        lane_chunk,
-                        comptime!(tile * MMA_N),
-                        comptime!(steps * 2 * MMA_K / CHUNK),
-                        comptime!(cfg.head_stride()),
-                    );
+                let at = swizzled_offset(
+                    stage_base,
+                    key_row,
+                    lane_chunk,
+                    comptime!(tile * MMA_N),
+                    comptime!(steps * 2 * MMA_K / CHUNK),
+                    comptime!(cfg.head_stride()),
+                );
                 let b = def.load_matrix::<E, Const<2>>(
                     &keys.slice(at, at + CHUNK),
                     MatrixIdent::B,
@@ -444,11 +501,11 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         }
     }
 
-    fn add_transposed_product(
+    fn add_transposed_product<N: Size>(
         grads: &Array<f32>,
         owned: &MmaQuery<E>,
         scratch: &mut SharedMemory<E>,
-        accum: &mut Tensor<Atomic<f32>>,
+        accum: &mut Tensor<Atomic<Vector<f32, N>>>,
         accum_base: usize,
         staged_start: usize,
         staged_len: usize,
@@ -466,7 +523,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
             scratch[at + 1] = E::cast_from(grads[comptime!(reg + 1)]);
         }
         sync_cube();
-        transposed_product::<E>(
+        transposed_product::<E, N>(
             scratch,
             &owned.stage,
             accum,
@@ -494,14 +551,14 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         for m in 0..cfg.m_tiles() {
             #[unroll]
             for pair in 0..n_tiles / 2 {
-                let at = base
-                    + swizzled_offset(
-                        lane_row,
-                        lane / 16usize,
-                        comptime!(m * MMA_M),
-                        comptime!(pair * 2),
-                        cfg.block_kv,
-                    );
+                let at = swizzled_offset(
+                    base,
+                    lane_row,
+                    lane / 16usize,
+                    comptime!(m * MMA_M),
+                    comptime!(pair * 2),
+                    cfg.block_kv,
+                );
                 let fragment = def.load_matrix::<E, Const<2>>(
                     &stage.slice(at, at + CHUNK),
                     MatrixIdent::A,

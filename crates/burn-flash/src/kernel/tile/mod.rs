@@ -52,15 +52,17 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// cube that owns keys). `grads` are this unit's registers of `G` (owned rows × staged rows,
     /// laid out as [`scores`](Self::scores) leaves them), `owned` the owned rows as
     /// [`load_query`](Self::load_query) gave them (`cfg.head_dim` wide). Staged row `r` adds into
-    /// row `staged_start + r` of `accum` from `accum_base`; rows at or past `staged_len` are
-    /// skipped. `scratch` holds `cfg.block_q · cfg.block_kv` elements; the caller synchronises
-    /// the cube before `scratch` is written again.
+    /// row `staged_start + r` of `accum` from element `accum_base`; rows at or past `staged_len`
+    /// are skipped. `accum` is read as vectors of `N` f32 (the tensor-core tile adds 1, 2 or 4
+    /// adjacent columns per atomic, the portable tile 1). `scratch` holds
+    /// `cfg.block_q · cfg.block_kv` elements; the caller synchronises the cube before `scratch`
+    /// is written again.
     #[allow(clippy::too_many_arguments)]
-    fn add_transposed_product(
+    fn add_transposed_product<N: Size>(
         grads: &Array<f32>,
         owned: &Self::Query,
         scratch: &mut SharedMemory<E>,
-        accum: &mut Tensor<Atomic<f32>>,
+        accum: &mut Tensor<Atomic<Vector<f32, N>>>,
         accum_base: usize,
         staged_start: usize,
         staged_len: usize,

@@ -74,26 +74,27 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         }
     }
 
-    fn add_transposed_product(
+    fn add_transposed_product<N: Size>(
         grads: &Array<f32>,
         owned: &Array<f32>,
         _scratch: &mut SharedMemory<E>,
-        accum: &mut Tensor<Atomic<f32>>,
+        accum: &mut Tensor<Atomic<Vector<f32, N>>>,
         accum_base: usize,
         staged_start: usize,
         staged_len: usize,
         #[comptime] cfg: TileConfig,
     ) {
         // Each unit adds its own row's outer product: no exchange between units, one atomic per
-        // (unit, staged row, column). Owned rows past the end are zeros and add nothing.
-        let row_stride = accum.stride(2);
+        // (unit, staged row, column), so `N` is 1. Owned rows past the end are zeros and add
+        // nothing.
+        let row_stride = cfg.head_dim;
         #[unroll]
         for j in 0..cfg.block_kv {
             let row = staged_start + j;
             if row < staged_len {
                 let base = accum_base + row * row_stride;
                 for c in 0..cfg.head_dim {
-                    accum[base + c].fetch_add(grads[j] * owned[c]);
+                    accum[base + c].fetch_add(Vector::new(grads[j] * owned[c]));
                 }
             }
         }
