@@ -53,8 +53,8 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// laid out as [`scores`](Self::scores) leaves them), `owned` the owned rows as
     /// [`load_query`](Self::load_query) gave them (`cfg.head_dim` wide). Staged row `r` adds into
     /// row `staged_start + r` of `accum` from element `accum_base`; rows at or past `staged_len`
-    /// are skipped. `accum` is read as vectors of `N` f32 (the tensor-core tile adds 1, 2 or 4
-    /// adjacent columns per atomic, the portable tile 1). `scratch` holds
+    /// are skipped. `accum` is read as vectors of `N` f32 (the tensor-core tile adds 4 adjacent
+    /// columns per atomic where the runtime adds `float4`, else 1; the portable tile 1). `scratch` holds
     /// `cfg.block_q · cfg.block_kv` elements; the caller synchronises the cube before `scratch`
     /// is written again.
     #[allow(clippy::too_many_arguments)]
