@@ -62,7 +62,7 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
                  [--causal both|true|false] [--window LEFT] [--softcap CAP]
                  [--mask keypad|full] [--bias heads] [--dropout P] [--alibi] [--atomic-dq]
                  [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
-                 [--backend auto|cuda|wgpu] [--iters N] [--warmup N] [--sets N]
+                 [--backend auto|cuda|cuda-bare|wgpu] [--iters N] [--warmup N] [--sets N]
                  [--budget-ms MS] [--row-seconds S] [--modes fwd,fwdbwd] [--memory]
                  [--peers CSV]
 --b / --h: 0 (default) means 16384 / n and 2048 / d on CUDA (the FlashAttention-2 shapes),
@@ -82,7 +82,9 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
 --atomic-dq: the backward adds dQ by atomics (`with_deterministic(false)`; burn-flash only;
            rows burn-flash-atomicdq).
 --peers:   a CSV of the same columns from another program on this device (torch_sdpa_bench.py),
-           whose rows join the summary printed after the CSV.";
+           whose rows join the summary printed after the CSV.
+--backend: cuda-bare times Burn's CubeBackend without the fusion stream (what the stream costs
+           per call); stderr also gives the host's time to issue one call per row.";
 
 const IMPLS: [&str; 3] = ["burn-flash", "burn-unfused", "burn-builtin"];
 
@@ -231,8 +233,8 @@ fn parse_args() -> Args {
                 })
             }
             "--backend" => {
-                if !matches!(value.as_str(), "auto" | "cuda" | "wgpu") {
-                    fail("--backend takes auto, cuda or wgpu");
+                if !matches!(value.as_str(), "auto" | "cuda" | "cuda-bare" | "wgpu") {
+                    fail("--backend takes auto, cuda, cuda-bare or wgpu");
                 }
                 args.backend = value;
             }
@@ -425,7 +427,8 @@ fn forward_backward<B: FlashAttentionBackend + AutodiffBackend>(
 type Call<B> = fn(&str, Set<B>, FlashAttentionOptions);
 
 /// `batch` calls issued back to back from input set `first` on, synchronised once at the end;
-/// returns the wall time per call.
+/// returns the wall time per call, and the host's time per call to issue them (the device is
+/// starved when the two are close).
 fn timed_batch<B: FlashAttentionBackend>(
     device: &B::Device,
     call: Call<B>,
@@ -434,14 +437,15 @@ fn timed_batch<B: FlashAttentionBackend>(
     first: usize,
     batch: usize,
     options: FlashAttentionOptions,
-) -> Duration {
+) -> (Duration, Duration) {
     B::sync(device).expect("device sync");
     let start = Instant::now();
     for set in first..first + batch {
         call(name, inputs[set % inputs.len()].clone(), options);
     }
+    let issued = start.elapsed();
     B::sync(device).expect("device sync");
-    start.elapsed() / batch as u32
+    (start.elapsed() / batch as u32, issued / batch as u32)
 }
 
 /// How the last row of an (impl, d, causal) series went, to predict the next, longer one.
@@ -614,9 +618,9 @@ fn measure<B: FlashAttentionBackend>(
     PANICKED.store(false, Ordering::SeqCst);
     let result = catch_unwind(AssertUnwindSafe(|| {
         // First call: compilation and autotune, not timed against the budget.
-        let first = timed_batch(device, call, name, inputs, 0, 1, options);
+        let (first, _) = timed_batch(device, call, name, inputs, 0, 1, options);
         eprintln!("{row}: first call {first:.2?}");
-        let probe = timed_batch(device, call, name, inputs, 1, 1, options);
+        let (probe, _) = timed_batch(device, call, name, inputs, 1, 1, options);
         if probe > s.budget {
             return Err(format!(
                 "one call took {:.1} ms, over the budget of {:.0} ms",
@@ -632,10 +636,10 @@ fn measure<B: FlashAttentionBackend>(
         let batch = ((0.02 / probe_s) as usize).clamp(1, 50);
         let affordable = (args.row_seconds / (probe_s * batch as f64)) as usize;
         let iters = s.iters.min(affordable.max(3));
-        let mut times: Vec<Duration> = (0..iters)
+        let (mut times, mut issued): (Vec<Duration>, Vec<Duration>) = (0..iters)
             .map(|i| timed_batch(device, call, name, inputs, i * batch, batch, options))
-            .collect();
-        Ok((median_ms(&mut times), iters * batch))
+            .unzip();
+        Ok((median_ms(&mut times), median_ms(&mut issued), iters * batch))
     }));
     let result = match result {
         Ok(Ok(_)) if PANICKED.load(Ordering::SeqCst) => {
@@ -644,12 +648,15 @@ fn measure<B: FlashAttentionBackend>(
         other => other,
     };
     match result {
-        Ok(Ok((ms, iters))) => {
+        Ok(Ok((ms, issue_ms, iters))) => {
             let tflops = flops / ms / 1e9;
             // One decimal as torch_sdpa_bench.py prints; more where it would read 0.0 (a CPU).
             let digits = if tflops < 1.0 { 4 } else { 1 };
             println!("{row},{ms:.4},{tflops:.digits$}");
-            eprintln!("{row}: {iters} calls, median of the batches' per-call times");
+            eprintln!(
+                "{row}: {iters} calls, median of the batches' per-call times; \
+                 the host issued a call in {issue_ms:.4} ms"
+            );
             Outcome::Timed { ms, flops }
         }
         Ok(Err(skip)) => {
@@ -872,11 +879,20 @@ fn main() {
                     use cubecl::Runtime;
                     let client = cubecl::cuda::CudaRuntime::client(&device);
                     let reserved = move || client.memory_usage().ok().map(|u| u.bytes_reserved);
-                    run_modes::<burn::backend::Cuda>(device, &args, &s, &reserved);
+                    if args.backend == "cuda-bare" {
+                        // CubeBackend without the fusion stream: what the stream costs per call.
+                        type Bare =
+                            burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+                        run_modes::<Bare>(device, &args, &s, &reserved);
+                    } else {
+                        run_modes::<burn::backend::Cuda>(device, &args, &s, &reserved);
+                    }
                 }
                 return;
             }
-            Err(reason) if args.backend == "cuda" => fail(&format!("no CUDA device: {reason}")),
+            Err(reason) if args.backend.starts_with("cuda") => {
+                fail(&format!("no CUDA device: {reason}"))
+            }
             Err(reason) => eprintln!("no CUDA device ({reason}); using wgpu"),
         }
     }

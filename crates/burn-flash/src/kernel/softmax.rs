@@ -1,14 +1,27 @@
 //! Online softmax on the score registers (FlashAttention-2): running row max and row sum, the
-//! softmax scale folded into one fused multiply-add before `exp`, the output accumulators rescaled
-//! in registers when the max moves far enough to matter. Each unit keeps its own part of the row sum; the parts are
-//! combined once, at the end.
+//! softmax scale (times log2 e) folded into one fused multiply-add before a base-2 exponential,
+//! the output accumulators rescaled in registers when the max moves far enough to matter. Each
+//! unit keeps its own part of the row sum; the parts are combined once, at the end.
 //!
 //! `-inf` arrives as a runtime argument (`neg_inf`): WGSL has no literal for it.
 
 use cubecl::prelude::*;
 
+use super::TilePath;
 use super::config::TileConfig;
 use super::tile::AttentionTile;
+
+/// 2^x. On the tensor-core path (CUDA) `powf(2, x)`, which NVRTC's fast math folds to one `ex2`:
+/// `exp`'s multiply by log2 e moves into the score's fused multiply-add. Elsewhere
+/// `exp(x · ln 2)`, since WGSL's `pow` goes through a general-purpose helper.
+#[cube]
+pub fn exp2(x: f32, #[comptime] tile: TilePath) -> f32 {
+    if comptime!(tile == TilePath::TensorCore) {
+        f32::powf(2.0, x)
+    } else {
+        (x * core::f32::consts::LN_2).exp()
+    }
+}
 
 /// Running statistics of the unit's rows, in raw (unscaled) score units for the max.
 #[derive(CubeType)]
@@ -62,13 +75,14 @@ pub fn softcap_scores(scores: &mut Array<f32>, cap: Softcap, #[comptime] regs: u
     }
 }
 
-/// How far (in scaled score units) a row's running max may lag behind its true max before the
-/// output accumulators are rescaled: probabilities then reach at most e^8 ≈ 3·10³ before
-/// normalisation, far inside the range of f32 accumulators and of f16/bf16 P.
-const RESCALE_SLACK: f32 = 8.0;
+/// How far (in base-2 units of the scaled scores) a row's running max may lag behind its true
+/// max before the output accumulators are rescaled: probabilities then reach at most e^8 ≈ 3·10³
+/// before normalisation, far inside the range of f32 accumulators and of f16/bf16 P.
+const RESCALE_SLACK: f32 = 8.0 * core::f32::consts::LOG2_E;
 
-/// Turn the raw scores of one KV block into unnormalised probabilities exp(scale·(s − m)) in
-/// place and update the row statistics. Masked scores are `-inf` and become exactly 0.
+/// Turn the raw scores of one KV block into unnormalised probabilities exp(scale·(s − m)) =
+/// 2^(scale·log2 e·(s − m)) in place and update the row statistics. Masked scores are `-inf` and
+/// become exactly 0.
 ///
 /// The running max `m` moves, and the output accumulators and row sums are rescaled by
 /// exp(scale·(m_old − m_new)), only when some row of the unit's plane saw its max grow by more
@@ -85,6 +99,7 @@ pub fn online_update<E: Float, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
 ) {
     let rows = comptime!(cfg.rows_per_unit());
+    let scale2 = scale * core::f32::consts::LOG2_E;
     let mut block_max = Array::<f32>::new(rows);
     #[unroll]
     for r in 0..rows {
@@ -100,7 +115,7 @@ pub fn online_update<E: Float, T: AttentionTile<E>>(
     for r in 0..rows {
         block_max[r] = T::row_max(block_max[r]);
         // -inf (no visible key yet) never exceeds -inf: such a row waits for a visible key.
-        grown = grown || block_max[r] * scale > stats.max[r] * scale + RESCALE_SLACK;
+        grown = grown || block_max[r] * scale2 > stats.max[r] * scale2 + RESCALE_SLACK;
     }
 
     if T::any_unit(grown) {
@@ -109,8 +124,8 @@ pub fn online_update<E: Float, T: AttentionTile<E>>(
         for r in 0..rows {
             // A row that has seen no visible key keeps a max of -inf: shift by 0 so that its
             // masked scores give exp(-inf) = 0 instead of NaN.
-            let shift = select(block_max[r] == neg_inf, 0.0, block_max[r] * scale);
-            alpha[r] = (stats.max[r] * scale - shift).exp();
+            let shift = select(block_max[r] == neg_inf, 0.0, block_max[r] * scale2);
+            alpha[r] = exp2(stats.max[r] * scale2 - shift, cfg.tile);
             stats.max[r] = block_max[r];
             stats.sum[r] *= alpha[r];
         }
@@ -124,12 +139,12 @@ pub fn online_update<E: Float, T: AttentionTile<E>>(
     let mut shift = Array::<f32>::new(rows);
     #[unroll]
     for r in 0..rows {
-        shift[r] = select(stats.max[r] == neg_inf, 0.0, stats.max[r] * scale);
+        shift[r] = select(stats.max[r] == neg_inf, 0.0, stats.max[r] * scale2);
     }
     #[unroll]
     for reg in 0..cfg.score_regs() {
         let slot = comptime!(cfg.score_slot(reg));
-        let p = (scores[reg] * scale - shift[slot]).exp();
+        let p = exp2(scores[reg] * scale2 - shift[slot], cfg.tile);
         scores[reg] = p;
         stats.sum[slot] += p;
     }

@@ -18,7 +18,7 @@ use crate::kernel::inputs::{
     Views, add_bias, alibi_slope, mask_input_allows, pair_of, write_bias_grad,
 };
 use crate::kernel::mask::{Band, block_needs_mask, key_visible};
-use crate::kernel::softmax::Softcap;
+use crate::kernel::softmax::{Softcap, exp2};
 use crate::kernel::stage::{StageBarriers, fetch_stage, load_block, smem_anchor};
 use crate::kernel::tile::AttentionTile;
 
@@ -73,7 +73,8 @@ fn query_stat(stat: &Tensor<f32>, stat_base: usize, span: Span, query: usize) ->
 
 /// This unit's share of the log-sum-exp and D of the queries `[first_row, first_row +
 /// cfg.block_kv)` of the head at `stat_base` (0 past the end), into `values`: value `id` of the
-/// block is the log-sum-exp of row `id` below `cfg.block_kv`, else D of row `id - cfg.block_kv`.
+/// block is the log-sum-exp of row `id` below `cfg.block_kv` (in base 2, as the probabilities'
+/// `exp2` takes it), else D of row `id - cfg.block_kv`.
 /// Owning keys, every score register needs the statistics of its staged query: staged in shared
 /// memory with the block, they cost two shared reads per column pair instead of two global reads
 /// and bound checks per register.
@@ -94,7 +95,7 @@ fn fetch_stats(
         let valid = row < seq_q && id < comptime!(2 * cfg.block_kv);
         let at = stat_base + select(valid, row, 0usize);
         let value = if id < cfg.block_kv {
-            lse[at]
+            lse[at] * core::f32::consts::LOG2_E
         } else {
             delta[at]
         };
@@ -148,7 +149,8 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     } else {
         span.band.seq_k
     };
-    // Statistics of owned query rows are read once; staged ones per block.
+    // Statistics of owned query rows are read once; staged ones per block. The log-sum-exp is
+    // kept in base 2, as `exp2` takes it.
     let rows = comptime!(cfg.rows_per_unit());
     let mut owned_lse = Array::<f32>::new(rows);
     let mut owned_delta = Array::<f32>::new(rows);
@@ -156,7 +158,8 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         #[unroll]
         for slot in 0..rows {
             let query = span.owned_start + T::slot_row(slot, cfg);
-            owned_lse[slot] = query_stat(lse, sweep.stat_base, span, query);
+            owned_lse[slot] =
+                query_stat(lse, sweep.stat_base, span, query) * core::f32::consts::LOG2_E;
             owned_delta[slot] = query_stat(delta, sweep.stat_base, span, query);
         }
     }
@@ -470,6 +473,7 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     );
     // The staged statistics of register 0's column; the others are a compile-time distance
     // from it.
+    let scale2 = scale * core::f32::consts::LOG2_E;
     let (_row, first_col) = T::score_position(0usize, cfg);
     let stats_at = smem_anchor(stats_base + first_col);
     #[unroll]
@@ -482,7 +486,7 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         } else {
             (owned_lse[slot], owned_delta[slot])
         };
-        let mut p = (probs[reg] * scale - row_lse).exp();
+        let mut p = exp2(probs[reg] * scale2 - row_lse, cfg.tile);
         if comptime!(cfg.bias) {
             // A bias of -inf can hide a whole row (lse -inf): exp(-inf + inf) is NaN, not 0.
             p = select(row_lse >= f32::MIN, p, 0.0);
