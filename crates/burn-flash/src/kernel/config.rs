@@ -192,6 +192,12 @@ impl TileConfig {
         }
     }
 
+    /// The forward leaves softcapped scores as `tanh(inner · s)` and folds the cap's outer factor
+    /// into the softmax scale: nothing is added to the scores after the cap.
+    pub fn softcap_outer_in_scale(&self) -> bool {
+        self.softcap && !self.bias && !self.alibi
+    }
+
     /// m16 row blocks each plane owns (tensor-core tile).
     pub fn m_tiles(&self) -> usize {
         self.plane_rows / MMA_M

@@ -89,6 +89,13 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         neg_inf,
     };
 
+    // Scores softcapped with nothing added after the cap stay tanh(inner · s): the cap's outer
+    // factor rides in the softmax scale, one multiply per score fewer.
+    let scale = if comptime!(cfg.softcap_outer_in_scale()) {
+        scale * coords.softcap.outer
+    } else {
+        scale
+    };
     let mut stats = init_stats(neg_inf, cfg);
     let mut acc = Array::<f32>::new(cfg.out_regs());
     #[unroll]
@@ -159,7 +166,12 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
 ) {
     let mut scores = T::scores(query, keys, stage * cfg.block_kv * cfg.head_stride(), cfg);
     if comptime!(cfg.softcap) {
-        softcap_scores(&mut scores, coords.softcap, cfg.score_regs());
+        softcap_scores(
+            &mut scores,
+            coords.softcap,
+            cfg.score_regs(),
+            cfg.softcap_outer_in_scale(),
+        );
     }
     add_bias::<E, T>(
         &mut scores,

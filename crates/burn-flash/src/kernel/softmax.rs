@@ -23,7 +23,8 @@ pub fn exp2(x: f32, #[comptime] tile: TilePath) -> f32 {
     }
 }
 
-/// Running statistics of the unit's rows, in raw (unscaled) score units for the max.
+/// Running statistics of the unit's rows, the max in the units the softmax scale multiplies
+/// (raw scores; softcapped ones without the cap's outer factor where the scale carries it).
 #[derive(CubeType)]
 pub struct RowStats {
     /// Largest raw score seen so far per row (`-inf` while no key was visible).
@@ -66,12 +67,23 @@ impl Softcap {
     }
 }
 
-/// Apply the softcap to the first `regs` raw scores.
+/// Apply the softcap to the first `regs` raw scores. With `outer_in_scale`, leave them
+/// `tanh(inner · s)`: the caller has folded `outer` into the softmax scale.
 #[cube]
-pub fn softcap_scores(scores: &mut Array<f32>, cap: Softcap, #[comptime] regs: usize) {
+pub fn softcap_scores(
+    scores: &mut Array<f32>,
+    cap: Softcap,
+    #[comptime] regs: usize,
+    #[comptime] outer_in_scale: bool,
+) {
     #[unroll]
     for reg in 0..regs {
-        scores[reg] = cap.outer * (scores[reg] * cap.inner).tanh();
+        let capped = (scores[reg] * cap.inner).tanh();
+        scores[reg] = if comptime!(outer_in_scale) {
+            capped
+        } else {
+            cap.outer * capped
+        };
     }
 }
 
