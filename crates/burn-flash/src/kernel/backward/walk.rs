@@ -63,6 +63,24 @@ pub struct Sweep {
     pub first_head: usize,
 }
 
+#[cube]
+impl Sweep {
+    /// Staged blocks per member.
+    pub fn blocks(&self) -> usize {
+        self.end_block - self.first_block
+    }
+
+    /// The member that step `step` of the walk stages (members take their blocks in turn).
+    pub fn member(&self, step: usize) -> usize {
+        step / self.blocks()
+    }
+
+    /// First staged row of step `step`.
+    pub fn staged_row(&self, step: usize, #[comptime] cfg: TileConfig) -> usize {
+        (self.first_block + step % self.blocks()) * cfg.block_kv
+    }
+}
+
 /// A per-query statistic (log-sum-exp or D) of the head at `stat_base`; 0 for rows past the
 /// end, whose staged operands are zeros so that they add nothing.
 #[cube]
@@ -163,8 +181,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             owned_delta[slot] = query_stat(delta, sweep.stat_base, span, query);
         }
     }
-    let blocks = sweep.end_block - sweep.first_block;
-    let steps = sweep.members * blocks;
+    let steps = sweep.members * sweep.blocks();
     let stats_elems = comptime!(if owns_keys { cfg.stats_elems() } else { 1 });
     let mut stats = SharedMemory::<f32>::new(stats_elems);
     let mut next_stats = Array::<f32>::new(comptime!(cfg.stats_per_unit()));
@@ -187,7 +204,6 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 second,
                 sweep,
                 0,
-                blocks,
                 seq,
                 &mut first_stages,
                 &mut second_stages,
@@ -196,7 +212,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 cfg,
             );
             if comptime!(owns_keys) {
-                fetch_step_stats(lse, delta, sweep, 0, blocks, seq, &mut next_stats, cfg);
+                fetch_step_stats(lse, delta, sweep, 0, seq, &mut next_stats, cfg);
                 store_stats(&next_stats, &mut stats, 0, cfg);
             }
         }
@@ -210,7 +226,6 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                     second,
                     sweep,
                     step + 1,
-                    blocks,
                     seq,
                     &mut first_stages,
                     &mut second_stages,
@@ -220,26 +235,17 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 );
                 // Loaded now, stored after this block: the latency hides behind its math.
                 if comptime!(owns_keys) {
-                    fetch_step_stats(
-                        lse,
-                        delta,
-                        sweep,
-                        step + 1,
-                        blocks,
-                        seq,
-                        &mut next_stats,
-                        cfg,
-                    );
+                    fetch_step_stats(lse, delta, sweep, step + 1, seq, &mut next_stats, cfg);
                 }
             }
-            let member = step / blocks;
+            let member = sweep.member(step);
             block_grads::<E, M, T, N>(
                 first_owned,
                 second_owned,
                 &first_stages,
                 &second_stages,
                 stage,
-                (sweep.first_block + step % blocks) * cfg.block_kv,
+                sweep.staged_row(step, cfg),
                 mask,
                 bias,
                 d_bias,
@@ -270,8 +276,8 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         let mut first_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.head_dim));
         let mut second_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.value_dim));
         for step in 0..steps {
-            let member = step / blocks;
-            let first_row = (sweep.first_block + step % blocks) * cfg.block_kv;
+            let member = sweep.member(step);
+            let first_row = sweep.staged_row(step, cfg);
             sync_cube();
             load_block::<E>(
                 first,
@@ -296,7 +302,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 cfg.swizzle(),
             );
             if comptime!(owns_keys) {
-                fetch_step_stats(lse, delta, sweep, step, blocks, seq, &mut next_stats, cfg);
+                fetch_step_stats(lse, delta, sweep, step, seq, &mut next_stats, cfg);
                 store_stats(&next_stats, &mut stats, 0, cfg);
             }
             sync_cube();
@@ -330,7 +336,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     }
 }
 
-/// Issue the copies of step `step` of `sweep` (member `step / blocks`) into stage `stage`.
+/// Issue the copies of step `step` of `sweep` into stage `stage`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fetch_step<E: Float>(
@@ -338,7 +344,6 @@ fn fetch_step<E: Float>(
     second: &Tensor<E>,
     sweep: Sweep,
     step: usize,
-    blocks: usize,
     seq: usize,
     first_stages: &mut SharedMemory<E>,
     second_stages: &mut SharedMemory<E>,
@@ -346,13 +351,13 @@ fn fetch_step<E: Float>(
     barriers: &StageBarriers,
     #[comptime] cfg: TileConfig,
 ) {
-    let member = step / blocks;
+    let member = sweep.member(step);
     fetch_stage::<E>(
         first,
         sweep.first_base + member * sweep.first_step,
         second,
         sweep.second_base + member * sweep.second_step,
-        (sweep.first_block + step % blocks) * cfg.block_kv,
+        sweep.staged_row(step, cfg),
         seq,
         first_stages,
         second_stages,
@@ -362,15 +367,13 @@ fn fetch_step<E: Float>(
     barriers.commit(stage);
 }
 
-/// [`fetch_stats`] of step `step` of `sweep` (staged rows of member `step / blocks`).
+/// [`fetch_stats`] of step `step` of `sweep`.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 fn fetch_step_stats(
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     sweep: Sweep,
     step: usize,
-    blocks: usize,
     seq: usize,
     values: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
@@ -378,8 +381,8 @@ fn fetch_step_stats(
     fetch_stats(
         lse,
         delta,
-        sweep.stat_base + step / blocks * sweep.stat_step,
-        (sweep.first_block + step % blocks) * cfg.block_kv,
+        sweep.stat_base + sweep.member(step) * sweep.stat_step,
+        sweep.staged_row(step, cfg),
         seq,
         values,
         cfg,
