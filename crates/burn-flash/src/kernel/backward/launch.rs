@@ -29,21 +29,50 @@ pub fn backward_support<R: CubeRuntime>(
     value_dim: usize,
 ) -> Result<TilePath, String> {
     let tile = usable_tile(client, dtype, head_dim, value_dim)?;
-    let cfg = backward_config(tile, head_dim, value_dim);
-    fits_shared(client, "backward", cfg.backward_shared_bytes(dtype.size()))?;
+    for cfg in [
+        key_value_config(tile, head_dim, value_dim),
+        query_config(tile, head_dim, value_dim),
+    ] {
+        fits_shared(client, "backward", cfg.backward_shared_bytes(dtype.size()))?;
+    }
     Ok(tile)
 }
 
-/// Block shapes of both backward launches. Tensor cores: 4 planes of 16 owned rows against
-/// 64-row stages (each plane holds two accumulators as wide as the head dim beside its two
+/// Block shapes of the dK/dV launch. Tensor cores: 4 planes of 16 owned keys against 64-row
+/// stages of queries (each plane holds two accumulators as wide as the head dim beside its two
 /// score-shaped tiles, so one m16 block per plane); `BURN_FLASH_BWD_SHAPE=planes,rows,kv`
 /// overrides it for tuning runs. Portable: 32 owned rows against 16-row stages, as the forward.
-fn backward_config(tile: TilePath, head_dim: usize, value_dim: usize) -> TileConfig {
+fn key_value_config(tile: TilePath, head_dim: usize, value_dim: usize) -> TileConfig {
+    static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
+    let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_BWD_SHAPE"));
+    tile_config(tile, head_dim, value_dim, shape.unwrap_or((4, 16, 64)))
+}
+
+/// Block shapes of the dQ launch, which holds one head-dim-wide accumulator where the dK/dV
+/// launch holds two, so each plane owns two m16 blocks of queries up to head dim 128 (every
+/// staged K/V fragment then feeds two products): against 64-row key stages up to head dim 64,
+/// 32-row ones above, where the scores of 64 keys would not fit beside the accumulator (measured
+/// in `docs/perf-notes.md`). Head dim 256 keeps one m16 block per plane.
+/// `BURN_FLASH_DQ_SHAPE=planes,rows,kv` overrides it for tuning runs.
+fn query_config(tile: TilePath, head_dim: usize, value_dim: usize) -> TileConfig {
+    static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
+    let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_DQ_SHAPE"));
+    let default = match head_dim.max(value_dim) {
+        0..=64 => (4, 32, 64),
+        65..=128 => (4, 32, 32),
+        _ => (4, 16, 64),
+    };
+    tile_config(tile, head_dim, value_dim, shape.unwrap_or(default))
+}
+
+fn tile_config(
+    tile: TilePath,
+    head_dim: usize,
+    value_dim: usize,
+    (planes, plane_rows, block_kv): (usize, usize, usize),
+) -> TileConfig {
     match tile {
         TilePath::TensorCore => {
-            static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
-            let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_BWD_SHAPE"));
-            let (planes, plane_rows, block_kv) = shape.unwrap_or((4, 16, 64));
             TileConfig::tensor_core(head_dim, value_dim, planes, plane_rows, block_kv)
         }
         TilePath::Portable => TileConfig::portable(head_dim, value_dim),
@@ -153,7 +182,10 @@ pub fn backward<R: CubeRuntime>(
     }
     let tile = backward_support(&client, dtype, head_dim, value_dim)
         .unwrap_or_else(|reason| panic!("fused backward launched on unsupported input: {reason}"));
-    let cfg = backward_config(tile, head_dim, value_dim)
+    let cfg = key_value_config(tile, head_dim, value_dim)
+        .with_scores(&params)
+        .with_bias_grad(bias_grad);
+    let query_cfg = query_config(tile, head_dim, value_dim)
         .with_scores(&params)
         .with_bias_grad(bias_grad);
     let cfg = cfg.with_atomic_dq(
@@ -179,7 +211,7 @@ pub fn backward<R: CubeRuntime>(
     let dq_width = dq_vector_width(&client, &cfg);
     let elem: StorageType = dtype.into();
     let dtypes = [elem, inputs.mask_dtype()];
-    let grid = |rows: usize, heads: usize| {
+    let grid = |rows: usize, heads: usize, cfg: &TileConfig| {
         CubeCount::Static(
             rows.div_ceil(cfg.block_q) as u32,
             heads as u32,
@@ -213,7 +245,7 @@ pub fn backward<R: CubeRuntime>(
                 if seq_k > 0 {
                     key_value_grads::launch_unchecked::<$tile, R>(
                         &client,
-                        grid(seq_k, kv_heads),
+                        grid(seq_k, kv_heads, &cfg),
                         cube_dim(&cfg),
                         address,
                         dq_width,
@@ -261,8 +293,8 @@ pub fn backward<R: CubeRuntime>(
                 } else if seq_q > 0 {
                     query_grads::launch_unchecked::<$tile, R>(
                         &client,
-                        grid(seq_q, heads),
-                        cube_dim(&cfg),
+                        grid(seq_q, heads, &query_cfg),
+                        cube_dim(&query_cfg),
                         address,
                         q.into_tensor_arg(),
                         k.into_tensor_arg(),
@@ -282,7 +314,7 @@ pub fn backward<R: CubeRuntime>(
                         seed_hi,
                         threshold,
                         alibi_pow2,
-                        cfg,
+                        query_cfg,
                         dtypes,
                     );
                 }
