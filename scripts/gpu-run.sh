@@ -56,10 +56,10 @@ for stage in "$@"; do
     ;;
   ptests)
     # Most of a test's time is NVRTC compiles and Burn's autotune (CPU), so the tests overlap
-    # well; timings are not taken here. Tests matching PTESTS_ALONE (the backward's benchmark
-    # shapes, whose unfused baseline allocates 5 GB at once) run after the others, alone: beside
-    # 22 other processes they could not allocate.
-    alone=${PTESTS_ALONE:-backward_cuda::benchmark_shapes}
+    # well; timings are not taken here. Tests matching PTESTS_ALONE (the benchmark shapes,
+    # whose unfused baselines allocate 5 GB at once) run after the others, beside each other
+    # only: beside 22 other processes they could not allocate.
+    alone=${PTESTS_ALONE:-benchmark_shapes}
     ptest() {
       ( BURN_FLASH_REQUIRE_CUDA=1 CUBECL_AUTOTUNE_LEVEL=minimal timeout "${TEST_TIMEOUT:-300}" \
           "$1" --exact "$2" --nocapture >"$OUT/$(basename "$1").${2//::/.}.log" 2>&1
@@ -74,9 +74,10 @@ for stage in "$@"; do
     wait
     for t in .gpu/test-*; do
       for name in $("$t" --list ${TEST_FILTER:-cuda} 2>/dev/null | sed -n 's/: test$//p'); do
-        [[ $name == *$alone* ]] && ptest "$t" "$name"
+        [[ $name == *$alone* ]] && ptest "$t" "$name" &
       done
     done
+    wait
     sort "$OUT/ptests.txt"
     # One file back instead of one per test.
     for f in "$OUT"/test-*.log; do echo "=== $f"; cat "$f"; done >"$OUT/ptests.log"
