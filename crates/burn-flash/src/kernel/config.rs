@@ -40,6 +40,13 @@ pub struct TileConfig {
     /// per plane read every K/V fragment from shared memory once for 32 rows, halving the
     /// shared-memory traffic per MMA compared with one.
     pub plane_rows: usize,
+    /// Planes that share one group of `plane_rows` owned rows (tensor-core dK/dV launch; 1
+    /// elsewhere). Plane `p` of a group computes the scores of its `1 / split` of each staged
+    /// block's columns, the group exchanges them through shared memory, and the plane then
+    /// accumulates part `p` of the accumulators' columns over the whole block. Two m16 blocks
+    /// per plane then fit beside two head-dim-wide accumulators, so every staged fragment feeds
+    /// two products.
+    pub split: usize,
     /// Tensor-core tile: keep the query block in shared memory and re-read its fragments for
     /// each KV block instead of holding them in registers (head dim 128, where registers would
     /// not hold Q beside the scores and the output accumulators).
@@ -57,7 +64,8 @@ pub struct TileConfig {
     /// ALiBi's bias is added to the scores ([`alibi_slope`](super::inputs::alibi_slope)).
     pub alibi: bool,
     /// The dK/dV launch also adds each staged query block's dQ with f32 atomics (and needs a
-    /// `block_q × block_kv` scratch tile on the tensor-core tile to transpose dS).
+    /// `block_q × block_kv` scratch tile on the tensor-core tile to transpose dS, which a split
+    /// shares with its exchange).
     pub atomic_dq: bool,
     /// Which score inputs the tensor-core forward stages in shared memory.
     pub staged: Staged,
@@ -108,6 +116,7 @@ impl TileConfig {
             block_kv,
             planes,
             plane_rows,
+            split: 1,
             query_in_smem: head_dim > 64,
             mask: MaskConfig::default(),
             bias: false,
@@ -131,6 +140,7 @@ impl TileConfig {
             block_kv: if head_dim.max(value_dim) > 128 { 8 } else { 16 },
             planes: 1,
             plane_rows: 1,
+            split: 1,
             query_in_smem: false,
             mask: MaskConfig::default(),
             bias: false,
@@ -171,9 +181,36 @@ impl TileConfig {
         Self { atomic_dq, ..self }
     }
 
-    /// Scratch elements the dK/dV launch needs to transpose dS for the atomic dQ.
-    pub fn transpose_scratch(&self) -> usize {
-        if self.atomic_dq && self.tile == TilePath::TensorCore {
+    /// These blocks with `split` planes sharing each group of owned rows (see
+    /// [`split`](Self::split)): the cube then owns `planes / split · plane_rows` rows. The
+    /// exchanged block and each plane's part of the staged rows and of the accumulator columns
+    /// must be whole 64-element swizzle groups, so that a plane's part starts at a runtime offset
+    /// the swizzle does not see.
+    pub fn with_split(self, split: usize) -> Self {
+        assert!(self.can_split(split), "no {split}-way split of {self:?}");
+        Self {
+            split,
+            block_q: self.planes / split * self.plane_rows,
+            ..self
+        }
+    }
+
+    /// Whether [`with_split`](Self::with_split) accepts `split` for these blocks.
+    pub fn can_split(&self, split: usize) -> bool {
+        split == 1
+            || (self.tile == TilePath::TensorCore
+                && split > 0
+                && self.planes.is_multiple_of(split)
+                && self.block_kv.is_multiple_of(64)
+                && (self.block_kv / split).is_multiple_of(MMA_K)
+                && self.head_dim.is_multiple_of(64 * split)
+                && self.value_dim.is_multiple_of(64 * split))
+    }
+
+    /// Scratch elements of the dK/dV launch: the transpose of dS for the atomic dQ, or the
+    /// exchanged `P` and `dS` blocks of a split.
+    pub fn scratch_elems(&self) -> usize {
+        if (self.atomic_dq || self.split > 1) && self.tile == TilePath::TensorCore {
             self.block_q * self.block_kv
         } else {
             1
@@ -203,10 +240,20 @@ impl TileConfig {
         self.plane_rows / MMA_M
     }
 
+    /// Staged columns each plane computes scores for (its part of the block).
+    pub fn score_cols(&self) -> usize {
+        self.block_kv / self.split
+    }
+
+    /// Accumulator columns each plane holds (its part of `value_dim`).
+    pub fn out_cols(&self) -> usize {
+        self.value_dim / self.split
+    }
+
     /// Score registers each unit holds for one KV block.
     pub fn score_regs(&self) -> usize {
         match self.tile {
-            TilePath::TensorCore => self.m_tiles() * self.block_kv / MMA_N * 4,
+            TilePath::TensorCore => self.m_tiles() * self.score_cols() / MMA_N * 4,
             TilePath::Portable => self.block_kv,
         }
     }
@@ -214,7 +261,7 @@ impl TileConfig {
     /// Output accumulator registers each unit holds.
     pub fn out_regs(&self) -> usize {
         match self.tile {
-            TilePath::TensorCore => self.m_tiles() * self.value_dim / MMA_N * 4,
+            TilePath::TensorCore => self.m_tiles() * self.out_cols() / MMA_N * 4,
             TilePath::Portable => self.value_dim,
         }
     }
@@ -230,7 +277,7 @@ impl TileConfig {
 
     /// Which of the unit's rows score register `reg` belongs to.
     pub fn score_slot(&self, reg: usize) -> usize {
-        self.slot(reg, self.block_kv)
+        self.slot(reg, self.score_cols())
     }
 
     /// The first score register of this unit that stands for the same key as register `reg`
@@ -251,12 +298,12 @@ impl TileConfig {
 
     /// Score registers of one m16 block (tensor-core tile).
     fn score_regs_per_m_tile(&self) -> usize {
-        self.block_kv / MMA_N * 4
+        self.score_cols() / MMA_N * 4
     }
 
     /// Which of the unit's rows output register `reg` belongs to.
     pub fn out_slot(&self, reg: usize) -> usize {
-        self.slot(reg, self.value_dim)
+        self.slot(reg, self.out_cols())
     }
 
     /// Row slot of register `reg` of an accumulator `cols` wide: registers are grouped by m16
@@ -323,7 +370,7 @@ impl TileConfig {
 
     /// Bytes of shared memory one backward cube uses: the forward's, plus the second owned
     /// operand (values or output gradients), which the tensor-core tile stages too, plus the
-    /// transpose scratch of the atomic dQ.
+    /// scratch of the atomic dQ or of a split.
     pub fn backward_shared_bytes(&self, elem_size: usize) -> usize {
         let second = if self.tile == TilePath::TensorCore {
             self.block_q * self.value_stride()
@@ -331,7 +378,7 @@ impl TileConfig {
             0
         };
         self.shared_bytes(elem_size)
-            + (second + self.transpose_scratch()) * elem_size
+            + (second + self.scratch_elems()) * elem_size
             + self.stats_elems() * 4
     }
 
@@ -466,5 +513,36 @@ impl ScoreParams {
             threshold: 1 << 16,
         });
         (seed_lo, seed_hi, threshold)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A split keeps every plane's registers those of its own part: the group's rows, its
+    /// share of the staged columns and of the accumulator columns.
+    #[test]
+    fn split_shares_rows_and_divides_columns() {
+        let base = TileConfig::tensor_core(128, 128, 8, 32, 64);
+        assert!(base.can_split(2));
+        let split = base.with_split(2);
+        assert_eq!(split.block_q, 128);
+        assert_eq!(split.score_cols(), 32);
+        assert_eq!(split.out_cols(), 64);
+        assert_eq!(split.score_regs(), 2 * 4 * 4);
+        assert_eq!(split.out_regs(), 2 * 8 * 4);
+        assert_eq!(split.scratch_elems(), 128 * 64);
+        // Two m16 blocks of 32 columns: the slots follow the m16 block, not the column part.
+        assert_eq!(split.score_slot(16), 2);
+        // Keys are the part's columns: the same in both m16 blocks (rows, when transposed).
+        assert_eq!(split.key_reg(16 + 7, false), 5);
+        assert_eq!(split.key_reg(16 + 7, true), 16 + 2);
+        // A part must be whole 64-element swizzle groups, on the tensor cores only.
+        assert!(!TileConfig::tensor_core(64, 64, 4, 32, 64).can_split(2));
+        assert!(!TileConfig::tensor_core(128, 128, 4, 32, 32).can_split(2));
+        assert!(!TileConfig::tensor_core(128, 128, 3, 32, 64).can_split(2));
+        assert!(!TileConfig::portable(128, 128).can_split(2));
+        assert!(TileConfig::portable(128, 128).can_split(1));
     }
 }

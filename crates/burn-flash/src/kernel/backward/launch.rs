@@ -30,7 +30,7 @@ pub fn backward_support<R: CubeRuntime>(
 ) -> Result<TilePath, String> {
     let tile = usable_tile(client, dtype, head_dim, value_dim)?;
     for cfg in [
-        key_value_config(tile, head_dim, value_dim),
+        key_value_config(tile, head_dim, value_dim, false),
         query_config(tile, head_dim, value_dim),
     ] {
         fits_shared(client, "backward", cfg.backward_shared_bytes(dtype.size()))?;
@@ -38,14 +38,40 @@ pub fn backward_support<R: CubeRuntime>(
     Ok(tile)
 }
 
-/// Block shapes of the dK/dV launch. Tensor cores: 4 planes of 16 owned keys against 64-row
-/// stages of queries (each plane holds two accumulators as wide as the head dim beside its two
-/// score-shaped tiles, so one m16 block per plane); `BURN_FLASH_BWD_SHAPE=planes,rows,kv`
-/// overrides it for tuning runs. Portable: 32 owned rows against 16-row stages, as the forward.
-fn key_value_config(tile: TilePath, head_dim: usize, value_dim: usize) -> TileConfig {
+/// Block shapes of the dK/dV launch; `atomic` when it also adds dQ by atomics. Each plane holds
+/// two accumulators as wide as the head dim beside its two score-shaped tiles. Tensor cores at
+/// head dim 128: pairs of planes share 32 owned keys (two m16 blocks) against 64-row stages of
+/// queries, each plane computing the scores of 32 staged queries and holding half of the head
+/// dim of dK and dV ([`TileConfig::split`]), so that every staged fragment feeds two products;
+/// with atomics four pairs (128 keys per cube, half the atomics per product of a 64-key cube),
+/// else two. Other head dims: 4 planes of 16 owned keys (one m16 block) against 64-row stages.
+/// `BURN_FLASH_BWD_SPLIT=1|2` and `BURN_FLASH_BWD_SHAPE=planes,rows,kv` override them for
+/// tuning runs. Portable: 32 owned rows against 16-row stages, as the forward.
+fn key_value_config(tile: TilePath, head_dim: usize, value_dim: usize, atomic: bool) -> TileConfig {
     static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
+    static SPLIT: OnceLock<Option<usize>> = OnceLock::new();
     let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_BWD_SHAPE"));
-    tile_config(tile, head_dim, value_dim, shape.unwrap_or((4, 16, 64)))
+    let split_override = SPLIT.get_or_init(|| {
+        let text = std::env::var("BURN_FLASH_BWD_SPLIT").ok()?;
+        let split = text
+            .trim()
+            .parse()
+            .ok()
+            .filter(|split| matches!(split, 1 | 2));
+        if split.is_none() {
+            log::warn!("ignoring BURN_FLASH_BWD_SPLIT={text:?}: expected 1 or 2");
+        }
+        split
+    });
+    let default_split = if head_dim.max(value_dim) == 128 { 2 } else { 1 };
+    let split = split_override.unwrap_or(default_split);
+    let paired_shape = if atomic { (8, 32, 64) } else { (4, 32, 64) };
+    let paired = tile_config(tile, head_dim, value_dim, shape.unwrap_or(paired_shape));
+    if split > 1 && paired.can_split(split) {
+        paired.with_split(split)
+    } else {
+        tile_config(tile, head_dim, value_dim, shape.unwrap_or((4, 16, 64)))
+    }
 }
 
 /// Block shapes of the dQ launch, which holds one head-dim-wide accumulator where the dK/dV
@@ -95,7 +121,7 @@ fn atomic_dq_usable<R: CubeRuntime>(
         .atomic_type_usage(f32_atomic)
         .contains(AtomicUsage::Add);
     let whole_blocks = match cfg.tile {
-        TilePath::TensorCore => cfg.block_kv.is_multiple_of(cfg.planes * MMA_M),
+        TilePath::TensorCore => cfg.block_kv.is_multiple_of(cfg.planes / cfg.split * MMA_M),
         TilePath::Portable => crate::testing::portable_atomic_dq_enabled(),
     };
     let atomic = cfg.with_atomic_dq(true);
@@ -182,15 +208,24 @@ pub fn backward<R: CubeRuntime>(
     }
     let tile = backward_support(&client, dtype, head_dim, value_dim)
         .unwrap_or_else(|reason| panic!("fused backward launched on unsupported input: {reason}"));
-    let cfg = key_value_config(tile, head_dim, value_dim)
-        .with_scores(&params)
-        .with_bias_grad(bias_grad);
+    let blocks = |atomic| {
+        key_value_config(tile, head_dim, value_dim, atomic)
+            .with_scores(&params)
+            .with_bias_grad(bias_grad)
+    };
     let query_cfg = query_config(tile, head_dim, value_dim)
         .with_scores(&params)
         .with_bias_grad(bias_grad);
-    let cfg = cfg.with_atomic_dq(
-        !deterministic && !bias_grad && seq_q > 0 && atomic_dq_usable(&client, &cfg, dtype.size()),
-    );
+    let atomic = blocks(true);
+    let cfg = if !deterministic
+        && !bias_grad
+        && seq_q > 0
+        && atomic_dq_usable(&client, &atomic, dtype.size())
+    {
+        atomic.with_atomic_dq(true)
+    } else {
+        blocks(false)
+    };
     crate::testing::record_dq_launch(cfg.atomic_dq);
     // The atomic dQ's f32 accumulator, contiguous and zeroed (see `key_value`).
     let accum = cfg.atomic_dq.then(|| {

@@ -195,7 +195,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             comptime!(2 * cfg.block_kv * cfg.value_stride()),
             16usize,
         );
-        let mut scratch = SharedMemory::<E>::new_aligned(cfg.transpose_scratch(), 16usize);
+        let mut scratch = SharedMemory::<E>::new_aligned(cfg.scratch_elems(), 16usize);
         let barriers = StageBarriers::new();
         sync_cube();
         if steps > 0 {
@@ -538,16 +538,33 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         }
     }
 
-    if comptime!(owns_keys) {
-        T::accumulate(&probs, second_stages, second_base, grad_second, cfg);
+    let key_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
+    if comptime!(cfg.split > 1) {
+        // Split planes (owning keys): P, then dS, go through `scratch` to the planes of the
+        // group; between the two every plane must be done reading P.
+        T::accumulate_shared(
+            &probs,
+            scratch,
+            second_stages,
+            second_base,
+            grad_second,
+            cfg,
+        );
+        sync_cube();
+        T::accumulate_shared(
+            &grads,
+            scratch,
+            first_stages,
+            first_base,
+            grad_first,
+            key_cfg,
+        );
+    } else {
+        if comptime!(owns_keys) {
+            T::accumulate(&probs, second_stages, second_base, grad_second, cfg);
+        }
+        T::accumulate(&grads, first_stages, first_base, grad_first, key_cfg);
     }
-    T::accumulate(
-        &grads,
-        first_stages,
-        first_base,
-        grad_first,
-        comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim)),
-    );
     #[comptime]
     if let ComptimeOption::Some(accum) = accum {
         T::add_transposed_product::<N>(

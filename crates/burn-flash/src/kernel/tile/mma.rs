@@ -75,6 +75,20 @@ fn operand<E: Float>(
     out
 }
 
+/// First owned row of this plane's rows (planes of a split share theirs; without one the
+/// division by 1 folds away).
+#[cube]
+fn group_row(#[comptime] cfg: TileConfig) -> usize {
+    UNIT_POS_Y as usize / cfg.split * cfg.plane_rows
+}
+
+/// Which part of its group's staged columns and accumulator columns this plane takes (0 without
+/// a split).
+#[cube]
+fn plane_part(#[comptime] cfg: TileConfig) -> usize {
+    UNIT_POS_Y as usize % cfg.split
+}
+
 /// The query block of a cube, staged in shared memory (swizzled like the K/V stages), and the
 /// plane's A fragments when they live in registers: 4 registers per (m16 block, 16-deep step),
 /// indexed `(m · steps + step) · 4`. With `cfg.query_in_smem` the register array is a 1-element
@@ -85,24 +99,26 @@ pub struct MmaQuery<E: Float> {
     regs: Array<Pair<E>>,
 }
 
-/// `ldmatrix.x4` of the A fragment of m16 block `m`, 16-deep step `step` of this plane's rows:
-/// lanes 0–15 address rows 0–15 at the step's first 8 columns, lanes 16–31 the next 8.
+/// `ldmatrix.x4` of the A fragment of m16 block `m`, 16-deep step `step` of this plane's rows
+/// of a swizzled tile `width` wide: lanes 0–15 address rows 0–15 at the step's first 8 columns,
+/// lanes 16–31 the next 8.
 #[cube]
-fn query_fragment<E: Float>(
+fn row_fragment<E: Float>(
     stage: &SharedMemory<E>,
     #[comptime] m: usize,
     #[comptime] step: usize,
+    #[comptime] width: usize,
     #[comptime] cfg: TileConfig,
 ) -> Array<Pair<E>> {
     let lane = UNIT_POS_X as usize;
-    let lane_row = UNIT_POS_Y as usize * cfg.plane_rows + lane % 16usize;
+    let lane_row = group_row(cfg) + lane % 16usize;
     let at = swizzled_offset(
         0usize,
         lane_row,
         lane / 16usize,
         comptime!(m * MMA_M),
         comptime!(step * MMA_K / CHUNK),
-        comptime!(cfg.head_stride()),
+        width,
     );
     definition::<E>().load_matrix::<E, Const<2>>(
         &stage.slice(at, at + CHUNK),
@@ -121,15 +137,16 @@ fn query_operand<E: Float>(
     #[comptime] cfg: TileConfig,
 ) -> Array<Pair<E>> {
     if comptime!(cfg.query_in_smem) {
-        query_fragment::<E>(&query.stage, m, step, cfg)
+        row_fragment::<E>(&query.stage, m, step, comptime!(cfg.head_stride()), cfg)
     } else {
         let steps = comptime!(cfg.head_dim / MMA_K);
         operand::<E>(&query.regs, comptime!((m * steps + step) * 4), 4usize)
     }
 }
 
-/// (row within the block, column) of register `reg` of an accumulator `cols` wide: registers
-/// are grouped by m16 block, then by n8 tile, 4 per tile.
+/// (row within the block, column) of register `reg` of an accumulator `cols` wide per plane
+/// (the plane's part of the columns under a split): registers are grouped by m16 block, then by
+/// n8 tile, 4 per tile.
 #[cube]
 fn acc_block_position<E: Float>(
     #[comptime] reg: usize,
@@ -141,8 +158,8 @@ fn acc_block_position<E: Float>(
     let local = comptime!(reg % per_block);
     let (row, col) = acc_position::<E>(comptime!(local % 4));
     (
-        UNIT_POS_Y as usize * cfg.plane_rows + comptime!(m * MMA_M) + row,
-        comptime!(local / 4 * MMA_N) + col,
+        group_row(cfg) + comptime!(m * MMA_M) + row,
+        plane_part(cfg) * cols + comptime!(local / 4 * MMA_N) + col,
     )
 }
 
@@ -202,11 +219,13 @@ fn rows_product<E: Float>(
     }
 }
 
-/// `accum += Gᵀ · owned` for this plane's `cfg.block_kv / cfg.planes` staged rows: `scratch`
-/// holds `G` (owned × staged, swizzled, `cfg.block_kv` wide), `owned` the owned rows
-/// (`cfg.head_dim` wide). The head dim is covered 64 columns at a time (32 where 64 does not
-/// divide it) so that the f32 accumulators (32 registers per chunk) fit beside the launch's dK
-/// and dV; each chunk is then added to `accum` by [`add_tile`], `N` columns per atomic.
+/// `accum += Gᵀ · owned` for this plane's staged rows and columns: `scratch` holds `G` (owned ×
+/// staged, swizzled, `cfg.block_kv` wide), `owned` the owned rows (`cfg.head_dim` wide). Each
+/// group of split planes takes `cfg.block_kv / (cfg.planes / cfg.split)` staged rows, each of
+/// its planes its part of the head dim (all of it without a split). The part is covered 64
+/// columns at a time (32 where 64 does not divide it) so that the f32 accumulators (32
+/// registers per chunk) fit beside the launch's dK and dV; each chunk is then added to `accum`
+/// by [`add_tile`], `N` columns per atomic.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn transposed_product<E: Float, N: Size>(
@@ -219,18 +238,23 @@ fn transposed_product<E: Float, N: Size>(
     #[comptime] cfg: TileConfig,
 ) {
     let def = definition::<E>();
-    let m_tiles = comptime!(cfg.block_kv / cfg.planes / MMA_M);
-    let chunk_cols = comptime!(if cfg.head_dim % 64 == 0 { 64 } else { 32 });
+    let plane_rows = comptime!(cfg.block_kv / (cfg.planes / cfg.split));
+    let m_tiles = comptime!(plane_rows / MMA_M);
+    let part_cols = comptime!(cfg.head_dim / cfg.split);
+    let chunk_cols = comptime!(if part_cols % 64 == 0 { 64 } else { 32 });
     let out_tiles = comptime!(chunk_cols / MMA_N);
     let lane = UNIT_POS_X as usize;
-    let plane_first = UNIT_POS_Y as usize * comptime!(cfg.block_kv / cfg.planes);
+    let plane_first = UNIT_POS_Y as usize / cfg.split * plane_rows;
+    // The part's first column: whole swizzle groups (`with_split`), added to the bases.
+    let part_col = plane_part(cfg) * part_cols;
+    let accum_base = accum_base + part_col;
     // ldmatrix.x4.trans on G rows: lane l addresses owned row l / 16 · 8 + l % 8 at the 8 staged
     // columns (l / 8) % 2, giving the matrices (staged +0, owned +0), (+8, +0), (+0, +8),
     // (+8, +8): the A operand of one 16-deep step of Gᵀ.
     let g_row = lane / 16usize * 8usize + lane % 8usize;
     let g_chunk = lane / 8usize % 2usize;
     #[unroll]
-    for part in 0..cfg.head_dim / chunk_cols {
+    for part in 0..part_cols / chunk_cols {
         let mut acc_regs = Array::<f32>::new(comptime!(m_tiles * out_tiles * 4));
         #[unroll]
         for reg in 0..m_tiles * out_tiles * 4 {
@@ -263,7 +287,7 @@ fn transposed_product<E: Float, N: Size>(
             rows_product::<E>(
                 &a,
                 owned,
-                0usize,
+                part_col,
                 &mut acc_regs,
                 comptime!(step * MMA_K),
                 comptime!(part * chunk_cols),
@@ -383,7 +407,8 @@ impl<E: Float> AttentionTile<E> for MmaTile {
             for m in 0..cfg.m_tiles() {
                 #[unroll]
                 for step in 0..steps {
-                    let fragment = query_fragment::<E>(&stage, m, step, cfg);
+                    let fragment =
+                        row_fragment::<E>(&stage, m, step, comptime!(cfg.head_stride()), cfg);
                     #[unroll]
                     for i in 0..4usize {
                         regs[comptime!((m * steps + step) * 4 + i)] = fragment[i];
@@ -402,7 +427,10 @@ impl<E: Float> AttentionTile<E> for MmaTile {
     ) -> Array<f32> {
         let def = definition::<E>();
         let m_tiles = comptime!(cfg.m_tiles());
-        let n_tiles = comptime!(cfg.block_kv / MMA_N);
+        let n_tiles = comptime!(cfg.score_cols() / MMA_N);
+        // This plane's part of the staged rows: whole 8-row swizzle periods.
+        let stage_base =
+            stage_base + plane_part(cfg) * comptime!(cfg.score_cols() * cfg.head_stride());
         let mut scores = Array::<f32>::new(cfg.score_regs());
         #[unroll]
         for reg in 0..cfg.score_regs() {
@@ -501,6 +529,54 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         }
     }
 
+    fn accumulate_shared(
+        probs: &Array<f32>,
+        exchange: &mut SharedMemory<E>,
+        values: &SharedMemory<E>,
+        stage_base: usize,
+        out: &mut Array<f32>,
+        #[comptime] cfg: TileConfig,
+    ) {
+        // This plane's part of P goes to the block [owned row][staged column], swizzled like the
+        // stages, whose rows of the group are then the A operand of the product.
+        #[unroll]
+        for pair_reg in 0..cfg.score_regs() / 2 {
+            let reg = comptime!(pair_reg * 2);
+            let (row, col) = acc_block_position::<E>(reg, cfg.score_cols(), cfg);
+            let at = stage_offset(row, col, cfg.block_kv, true);
+            exchange[at] = E::cast_from(probs[reg]);
+            exchange[at + 1] = E::cast_from(probs[comptime!(reg + 1)]);
+        }
+        sync_cube();
+        let m_tiles = comptime!(cfg.m_tiles());
+        // This plane's part of the columns: whole swizzle groups (`with_split`), so the part's
+        // offset is added to the base without touching the swizzle.
+        let values_base = stage_base + plane_part(cfg) * comptime!(cfg.out_cols());
+        #[unroll]
+        for step in 0..cfg.block_kv / MMA_K {
+            let mut p = Array::<Pair<E>>::new(m_tiles * 4);
+            #[unroll]
+            for m in 0..m_tiles {
+                let fragment = row_fragment::<E>(exchange, m, step, cfg.block_kv, cfg);
+                #[unroll]
+                for i in 0..4usize {
+                    p[comptime!(m * 4 + i)] = fragment[i];
+                }
+            }
+            rows_product::<E>(
+                &p,
+                values,
+                values_base,
+                out,
+                comptime!(step * MMA_K),
+                0usize,
+                cfg.out_cols(),
+                comptime!(cfg.value_stride()),
+                m_tiles,
+            );
+        }
+    }
+
     fn add_transposed_product<N: Size>(
         grads: &Array<f32>,
         owned: &MmaQuery<E>,
@@ -513,16 +589,18 @@ impl<E: Float> AttentionTile<E> for MmaTile {
     ) {
         // G goes to shared memory as [owned row][staged column], swizzled like the stages, so
         // that each plane can read the A operand of Gᵀ for its own staged rows over all owned
-        // rows.
-        #[unroll]
-        for pair_reg in 0..cfg.score_regs() / 2 {
-            let reg = comptime!(pair_reg * 2);
-            let (row, col) = acc_block_position::<E>(reg, cfg.block_kv, cfg);
-            let at = stage_offset(row, col, cfg.block_kv, true);
-            scratch[at] = E::cast_from(grads[reg]);
-            scratch[at + 1] = E::cast_from(grads[comptime!(reg + 1)]);
+        // rows. Split planes have put it there already (`accumulate_shared`).
+        if comptime!(cfg.split == 1) {
+            #[unroll]
+            for pair_reg in 0..cfg.score_regs() / 2 {
+                let reg = comptime!(pair_reg * 2);
+                let (row, col) = acc_block_position::<E>(reg, cfg.block_kv, cfg);
+                let at = stage_offset(row, col, cfg.block_kv, true);
+                scratch[at] = E::cast_from(grads[reg]);
+                scratch[at + 1] = E::cast_from(grads[comptime!(reg + 1)]);
+            }
+            sync_cube();
         }
-        sync_cube();
         transposed_product::<E, N>(
             scratch,
             &owned.stage,
@@ -545,7 +623,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         // order, the accumulator pairs (row g, row g + 8) of its two n-tiles.
         let def = definition::<E>();
         let lane = UNIT_POS_X as usize;
-        let lane_row = UNIT_POS_Y as usize * cfg.plane_rows + lane % 16usize;
+        let lane_row = group_row(cfg) + lane % 16usize;
         let n_tiles = comptime!(cfg.block_kv / MMA_N);
         #[unroll]
         for m in 0..cfg.m_tiles() {
@@ -576,17 +654,17 @@ impl<E: Float> AttentionTile<E> for MmaTile {
     }
 
     fn score_position(#[comptime] reg: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {
-        acc_block_position::<E>(reg, cfg.block_kv, cfg)
+        acc_block_position::<E>(reg, cfg.score_cols(), cfg)
     }
 
     fn out_position(#[comptime] reg: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {
-        acc_block_position::<E>(reg, cfg.value_dim, cfg)
+        acc_block_position::<E>(reg, cfg.out_cols(), cfg)
     }
 
     fn slot_row(#[comptime] slot: usize, #[comptime] cfg: TileConfig) -> usize {
         // Slot 2m is row g of m16 block m, slot 2m + 1 row g + 8: accumulator element 0 or 2.
         let (row, _col) = acc_position::<E>(comptime!(slot % 2 * 2));
-        UNIT_POS_Y as usize * cfg.plane_rows + comptime!(slot / 2 * MMA_M) + row
+        group_row(cfg) + comptime!(slot / 2 * MMA_M) + row
     }
 
     fn writes_row_stats() -> bool {

@@ -48,12 +48,28 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         #[comptime] cfg: TileConfig,
     );
 
+    /// [`accumulate`](Self::accumulate) for planes that split their group's staged block
+    /// (`cfg.split > 1`, tensor-core dK/dV launch): each plane's part of `probs` is written to
+    /// `exchange` (`cfg.block_q · cfg.block_kv` elements), the cube is synchronised, and each
+    /// plane adds its part of the accumulator columns over the whole block. The caller
+    /// synchronises the cube before `exchange` is written again.
+    fn accumulate_shared(
+        probs: &Array<f32>,
+        exchange: &mut SharedMemory<E>,
+        values: &SharedMemory<E>,
+        stage_base: usize,
+        out: &mut Array<f32>,
+        #[comptime] cfg: TileConfig,
+    );
+
     /// Add `Gᵀ · owned` to the staged rows' gradient in `accum` with f32 atomic adds (dQ from a
     /// cube that owns keys). `grads` are this unit's registers of `G` (owned rows × staged rows,
     /// laid out as [`scores`](Self::scores) leaves them), `owned` the owned rows as
     /// [`load_query`](Self::load_query) gave them (`cfg.head_dim` wide). Staged row `r` adds into
     /// row `staged_start + r` of `accum` from element `accum_base`; rows at or past `staged_len`
-    /// are skipped. `accum` is read as vectors of `N` f32 (the tensor-core tile adds 4 adjacent
+    /// are skipped. With split planes (`cfg.split > 1`) `scratch` already holds all of `G`, as
+    /// [`accumulate_shared`](Self::accumulate_shared) left it, and `grads` is not read.
+    /// `accum` is read as vectors of `N` f32 (the tensor-core tile adds 4 adjacent
     /// columns per atomic where the runtime adds `float4`, else 1; the portable tile 1). `scratch` holds
     /// `cfg.block_q · cfg.block_kv` elements; the caller synchronises the cube before `scratch`
     /// is written again.

@@ -74,6 +74,18 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         }
     }
 
+    fn accumulate_shared(
+        probs: &Array<f32>,
+        _exchange: &mut SharedMemory<E>,
+        values: &SharedMemory<E>,
+        stage_base: usize,
+        out: &mut Array<f32>,
+        #[comptime] cfg: TileConfig,
+    ) {
+        // A portable unit owns whole rows: nothing to exchange (its configs never split).
+        Self::accumulate(probs, values, stage_base, out, cfg);
+    }
+
     fn add_transposed_product<N: Size>(
         grads: &Array<f32>,
         owned: &Array<f32>,
