@@ -216,15 +216,12 @@ pub fn backward<R: CubeRuntime>(
     let query_cfg = query_config(tile, head_dim, value_dim)
         .with_scores(&params)
         .with_bias_grad(bias_grad);
-    let atomic = blocks(true);
-    let cfg = if !deterministic
-        && !bias_grad
-        && seq_q > 0
-        && atomic_dq_usable(&client, &atomic, dtype.size())
-    {
-        atomic.with_atomic_dq(true)
-    } else {
-        blocks(false)
+    let atomic = (!deterministic && !bias_grad && seq_q > 0)
+        .then(|| blocks(true))
+        .filter(|atomic| atomic_dq_usable(&client, atomic, dtype.size()));
+    let cfg = match atomic {
+        Some(atomic) => atomic.with_atomic_dq(true),
+        None => blocks(false),
     };
     crate::testing::record_dq_launch(cfg.atomic_dq);
     // The atomic dQ's f32 accumulator, contiguous and zeroed (see `key_value`).

@@ -60,6 +60,21 @@ fn store_acc(acc: &Array<Pair<f32>>, regs: &mut Array<f32>, #[comptime] tile: us
     regs[tile * 4 + 3] = acc[1][1];
 }
 
+/// Write this plane's score-shaped registers `regs` to `tile` as [owned row][staged column]
+/// (`cfg.block_kv` wide, swizzled like the stages), where the rows of a group are the A operand
+/// of `accumulate_shared`'s product and, read transposed, of the atomic dQ's.
+#[cube]
+fn publish<E: Float>(regs: &Array<f32>, tile: &mut SharedMemory<E>, #[comptime] cfg: TileConfig) {
+    #[unroll]
+    for pair_reg in 0..cfg.score_regs() / 2 {
+        let reg = comptime!(pair_reg * 2);
+        let (row, col) = acc_block_position::<E>(reg, cfg.score_cols(), cfg);
+        let at = stage_offset(row, col, cfg.block_kv, true);
+        tile[at] = E::cast_from(regs[reg]);
+        tile[at + 1] = E::cast_from(regs[comptime!(reg + 1)]);
+    }
+}
+
 /// Registers `first..first + count` of `regs` as a new operand array.
 #[cube]
 fn operand<E: Float>(
@@ -537,16 +552,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         out: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
     ) {
-        // This plane's part of P goes to the block [owned row][staged column], swizzled like the
-        // stages, whose rows of the group are then the A operand of the product.
-        #[unroll]
-        for pair_reg in 0..cfg.score_regs() / 2 {
-            let reg = comptime!(pair_reg * 2);
-            let (row, col) = acc_block_position::<E>(reg, cfg.score_cols(), cfg);
-            let at = stage_offset(row, col, cfg.block_kv, true);
-            exchange[at] = E::cast_from(probs[reg]);
-            exchange[at + 1] = E::cast_from(probs[comptime!(reg + 1)]);
-        }
+        publish::<E>(probs, exchange, cfg);
         sync_cube();
         let m_tiles = comptime!(cfg.m_tiles());
         // This plane's part of the columns: whole swizzle groups (`with_split`), so the part's
@@ -587,18 +593,10 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         staged_len: usize,
         #[comptime] cfg: TileConfig,
     ) {
-        // G goes to shared memory as [owned row][staged column], swizzled like the stages, so
-        // that each plane can read the A operand of Gᵀ for its own staged rows over all owned
-        // rows. Split planes have put it there already (`accumulate_shared`).
+        // Each plane reads the A operand of Gᵀ for its own staged rows over all owned rows from
+        // the published G; split planes have published it already (`accumulate_shared`).
         if comptime!(cfg.split == 1) {
-            #[unroll]
-            for pair_reg in 0..cfg.score_regs() / 2 {
-                let reg = comptime!(pair_reg * 2);
-                let (row, col) = acc_block_position::<E>(reg, cfg.block_kv, cfg);
-                let at = stage_offset(row, col, cfg.block_kv, true);
-                scratch[at] = E::cast_from(grads[reg]);
-                scratch[at + 1] = E::cast_from(grads[comptime!(reg + 1)]);
-            }
+            publish::<E>(grads, scratch, cfg);
             sync_cube();
         }
         transposed_product::<E, N>(
