@@ -8,6 +8,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
 use cubecl::features::{MmaConfig, Plane};
 use cubecl::prelude::*;
+use cubecl::tensor_vector_size_parallel;
 
 use super::TilePath;
 use super::config::{ScoreParams, Staged, TileConfig};
@@ -363,9 +364,13 @@ pub(crate) fn output<R: CubeRuntime>(
 
 /// `value` is a runtime argument: WGSL has no literal for NaN.
 #[cube(launch_unchecked, address_type = "dynamic")]
-fn fill<F: Float>(tensor: &mut Tensor<F>, value: f32, #[define(F)] _dtype: StorageType) {
+fn fill<F: Float, N: Size>(
+    tensor: &mut Tensor<Vector<F, N>>,
+    value: f32,
+    #[define(F)] _dtype: StorageType,
+) {
     if ABSOLUTE_POS < tensor.len() {
-        tensor[ABSOLUTE_POS] = F::cast_from(value);
+        tensor[ABSOLUTE_POS] = Vector::new(F::cast_from(value));
     }
 }
 
@@ -373,21 +378,40 @@ fn poison<R: CubeRuntime>(tensor: &CubeTensor<R>) {
     fill_tensor(tensor, f32::NAN);
 }
 
-/// Set every element of a contiguous tensor to `value`.
+/// The widest vector the client moves in one access that divides the last dim of each of
+/// `tensors` and all their other strides (1 when none does).
+pub(crate) fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize {
+    tensors
+        .iter()
+        .map(|t| {
+            tensor_vector_size_parallel(
+                t.client.io_optimized_vector_sizes(t.dtype.size()),
+                t.meta.shape(),
+                t.meta.strides(),
+                t.meta.num_dims() - 1,
+            )
+        })
+        .min()
+        .unwrap_or(1)
+}
+
+/// Set every element of a contiguous tensor to `value`, a vector per unit.
 pub(crate) fn fill_tensor<R: CubeRuntime>(tensor: &CubeTensor<R>, value: f32) {
-    let units = tensor.meta.num_elements();
+    let width = vector_width(&[tensor]);
+    let units = tensor.meta.num_elements() / width;
     if units == 0 {
         return;
     }
     let cube_dim = CubeDim::new(&tensor.client, units);
     let cube_count = cubecl::calculate_cube_count_elemwise(&tensor.client, units, cube_dim);
-    // SAFETY: one unit per element, guarded by the tensor length.
+    // SAFETY: one unit per vector, guarded by the tensor length (in vectors).
     unsafe {
         fill::launch_unchecked(
             &tensor.client,
             cube_count,
             cube_dim,
             tensor.required_address_type(),
+            width,
             tensor.clone().into_tensor_arg(),
             value,
             tensor.dtype.into(),

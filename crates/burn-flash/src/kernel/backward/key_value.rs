@@ -54,8 +54,16 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
 
     let k_head = batch * k.stride(0) + kv_head * k.stride(1);
     let v_head = batch * v.stride(0) + kv_head * v.stride(1);
-    let keys = T::load_query(k, k_head, owned_start, band.seq_k, cfg);
-    let values = T::load_query(v, v_head, owned_start, band.seq_k, value_cfg);
+    let (keys, values) = T::load_query_pair(
+        k,
+        k_head,
+        v,
+        v_head,
+        owned_start,
+        band.seq_k,
+        cfg,
+        value_cfg,
+    );
     let mut grad_k = Array::<f32>::new(key_cfg.out_regs());
     #[unroll]
     for reg in 0..key_cfg.out_regs() {

@@ -17,6 +17,7 @@ use crate::kernel::TilePath;
 use crate::kernel::config::{MMA_M, ScoreParams, TileConfig};
 use crate::kernel::launch::{
     ScoreInputs, cube_dim, fill_tensor, fits_shared, output, shape_override, usable_tile,
+    vector_width,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 
@@ -259,16 +260,27 @@ pub fn backward<R: CubeRuntime>(
     unsafe {
         let rows = batch * heads * seq_q;
         if rows > 0 {
-            let cube_dim = CubeDim::new(&client, rows);
+            let width = vector_width(&[&out, &d_out]);
+            let vectors = value_dim / width;
+            // Planes of 32 lanes on the tensor-core tile's devices; the portable path keeps a
+            // unit per row (no plane operations).
+            let group = match tile {
+                TilePath::TensorCore => vectors.next_power_of_two().min(32),
+                TilePath::Portable => 1,
+            };
+            let units = rows * group;
+            let cube_dim = CubeDim::new_1d(256);
             row_dot::launch_unchecked(
                 &client,
-                cubecl::calculate_cube_count_elemwise(&client, rows, cube_dim),
+                CubeCount::Static(units.div_ceil(256) as u32, 1, 1),
                 cube_dim,
                 address,
+                width,
                 out.into_tensor_arg(),
                 d_out.clone().into_tensor_arg(),
                 delta.clone().into_tensor_arg(),
-                value_dim,
+                vectors,
+                group,
                 elem,
             );
         }
@@ -310,13 +322,15 @@ pub fn backward<R: CubeRuntime>(
                     );
                 }
                 if let Some(accum) = &accum {
-                    let units = batch * heads * seq_q * head_dim;
+                    let width = vector_width(&[accum, &d_q]);
+                    let units = batch * heads * seq_q * head_dim / width;
                     let cube_dim = CubeDim::new(&client, units);
                     finish_query_grads::launch_unchecked(
                         &client,
                         cubecl::calculate_cube_count_elemwise(&client, units, cube_dim),
                         cube_dim,
                         address,
+                        width,
                         accum.clone().into_tensor_arg(),
                         d_q.clone().into_tensor_arg(),
                         params.scale,

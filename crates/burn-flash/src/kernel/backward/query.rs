@@ -62,8 +62,16 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
 
     let q_head = batch * q.stride(0) + head * q.stride(1);
     let g_head = batch * d_out.stride(0) + head * d_out.stride(1);
-    let queries = T::load_query(q, q_head, span.owned_start, span.band.seq_q, cfg);
-    let grads = T::load_query(d_out, g_head, span.owned_start, span.band.seq_q, grad_cfg);
+    let (queries, grads) = T::load_query_pair(
+        q,
+        q_head,
+        d_out,
+        g_head,
+        span.owned_start,
+        span.band.seq_q,
+        cfg,
+        grad_cfg,
+    );
     let mut grad_q = Array::<f32>::new(query_cfg.out_regs());
     #[unroll]
     for reg in 0..query_cfg.out_regs() {
@@ -121,15 +129,15 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
 }
 
 /// dQ from the atomic accumulator of the dK/dV launch: `d_q = scale · accum` in the input type,
-/// one unit per element of the two contiguous tensors.
+/// one unit per vector of the two contiguous tensors.
 #[cube(launch_unchecked, address_type = "dynamic")]
-pub fn finish_query_grads<E: Float>(
-    accum: &Tensor<f32>,
-    d_q: &mut Tensor<E>,
+pub fn finish_query_grads<E: Float, N: Size>(
+    accum: &Tensor<Vector<f32, N>>,
+    d_q: &mut Tensor<Vector<E, N>>,
     scale: f32,
     #[define(E)] _dtype: StorageType,
 ) {
     if ABSOLUTE_POS < d_q.len() {
-        d_q[ABSOLUTE_POS] = E::cast_from(accum[ABSOLUTE_POS] * scale);
+        d_q[ABSOLUTE_POS] = Vector::cast_from(accum[ABSOLUTE_POS] * Vector::new(scale));
     }
 }

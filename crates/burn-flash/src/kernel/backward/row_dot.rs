@@ -2,29 +2,50 @@
 
 use cubecl::prelude::*;
 
-/// One unit per query row of `[batch, heads, seq_q, value_dim]` tensors; `delta` is
-/// `[batch, heads, seq_q]`.
+/// `group` neighbouring units of a plane share one query row of `[batch, heads, seq_q,
+/// value_dim]` tensors (`delta` is `[batch, heads, seq_q]`, contiguous). Each reads vectors of `N`
+/// elements, `group` vectors apart, so that a plane's loads cover whole rows contiguously
+/// instead of one element of 32 rows; the group then sums its partial dots by shuffles (a
+/// power of two up to the plane size; 1 reads whole rows per unit, with no plane operation).
+/// `vectors` is `value_dim / N`.
 #[cube(launch_unchecked, address_type = "dynamic")]
-pub fn row_dot<E: Float>(
-    out: &Tensor<E>,
-    d_out: &Tensor<E>,
+pub fn row_dot<E: Float, N: Size>(
+    out: &Tensor<Vector<E, N>>,
+    d_out: &Tensor<Vector<E, N>>,
     delta: &mut Tensor<f32>,
-    #[comptime] value_dim: usize,
+    #[comptime] vectors: usize,
+    #[comptime] group: usize,
     #[define(E)] _dtype: StorageType,
 ) {
+    let width = out.vector_size();
     let rows = delta.len();
-    let row = ABSOLUTE_POS;
+    let row = ABSOLUTE_POS / group;
+    let part = ABSOLUTE_POS % group;
+    let mut sum = 0.0f32;
     if row < rows {
         let seq_q = out.shape(2);
         let heads = out.shape(1);
         let (bh, i) = (row / seq_q, row % seq_q);
         let (b, h) = (bh / heads, bh % heads);
-        let o_base = b * out.stride(0) + h * out.stride(1) + i * out.stride(2);
-        let g_base = b * d_out.stride(0) + h * d_out.stride(1) + i * d_out.stride(2);
-        let mut sum = 0.0f32;
-        for c in 0..value_dim {
-            sum += f32::cast_from(out[o_base + c]) * f32::cast_from(d_out[g_base + c]);
+        let o_base = (b * out.stride(0) + h * out.stride(1) + i * out.stride(2)) / width;
+        let g_base = (b * d_out.stride(0) + h * d_out.stride(1) + i * d_out.stride(2)) / width;
+        let mut at = part;
+        while at < vectors {
+            let product = Vector::<f32, N>::cast_from(out[o_base + at])
+                * Vector::<f32, N>::cast_from(d_out[g_base + at]);
+            #[unroll]
+            for e in 0..width {
+                sum += product[e];
+            }
+            at += group;
         }
-        delta[b * delta.stride(0) + h * delta.stride(1) + i * delta.stride(2)] = sum;
+    }
+    // Units past the last row still take part: the shuffles need the whole group.
+    #[unroll]
+    for step in 0..comptime!(group.trailing_zeros()) {
+        sum += plane_shuffle_xor(sum, comptime!((group >> (step + 1)) as u32));
+    }
+    if row < rows && part == 0 {
+        delta[row] = sum;
     }
 }

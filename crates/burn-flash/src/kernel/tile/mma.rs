@@ -381,6 +381,63 @@ fn add_tile<E: Float, N: Size>(
     }
 }
 
+/// Shared memory for one owned block (`cfg.block_q` rows, swizzled like the stages).
+#[cube]
+fn query_stage<E: Float>(#[comptime] cfg: TileConfig) -> SharedMemory<E> {
+    SharedMemory::<E>::new_aligned(comptime!(cfg.block_q * cfg.head_stride()), 16usize)
+}
+
+/// Issue the copies of the owned block of `cfg.block_q` rows from `start` into `stage`.
+#[cube]
+fn copy_owned<E: Float>(
+    src: &Tensor<E>,
+    head_base: usize,
+    start: usize,
+    seq: usize,
+    stage: &mut SharedMemory<E>,
+    #[comptime] cfg: TileConfig,
+) {
+    copy_block_async::<E>(
+        src,
+        head_base,
+        start,
+        seq,
+        stage,
+        0,
+        cfg.block_q,
+        cfg.head_dim,
+        cfg,
+    );
+}
+
+/// The owned block copied into `stage`, with the plane's A fragments read into registers unless
+/// `cfg.query_in_smem`. The copies must have landed.
+#[cube]
+fn query_fragments<E: Float>(stage: SharedMemory<E>, #[comptime] cfg: TileConfig) -> MmaQuery<E> {
+    let steps = comptime!(cfg.head_dim / MMA_K);
+    let held = comptime!(if cfg.query_in_smem {
+        1
+    } else {
+        cfg.m_tiles() * steps * 4
+    });
+    let mut regs = Array::<Pair<E>>::new(held);
+    if comptime!(!cfg.query_in_smem) {
+        #[unroll]
+        for m in 0..cfg.m_tiles() {
+            #[unroll]
+            for step in 0..steps {
+                let fragment =
+                    row_fragment::<E>(&stage, m, step, comptime!(cfg.head_stride()), cfg);
+                #[unroll]
+                for i in 0..4usize {
+                    regs[comptime!((m * steps + step) * 4 + i)] = fragment[i];
+                }
+            }
+        }
+    }
+    MmaQuery::<E> { stage, regs }
+}
+
 #[cube]
 impl<E: Float> AttentionTile<E> for MmaTile {
     type Query = MmaQuery<E>;
@@ -392,46 +449,44 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         seq_q: usize,
         #[comptime] cfg: TileConfig,
     ) -> MmaQuery<E> {
-        let mut stage =
-            SharedMemory::<E>::new_aligned(comptime!(cfg.block_q * cfg.head_stride()), 16usize);
+        let mut stage = query_stage::<E>(cfg);
         let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
         sync_cube();
-        copy_block_async::<E>(
-            q,
-            head_base,
-            q_start,
-            seq_q,
-            &mut stage,
-            0,
-            cfg.block_q,
-            cfg.head_dim,
-            cfg,
+        copy_owned::<E>(q, head_base, q_start, seq_q, &mut stage, cfg);
+        barrier.commit_copy_async();
+        barrier.arrive_and_wait();
+        query_fragments::<E>(stage, cfg)
+    }
+
+    fn load_query_pair(
+        first: &Tensor<E>,
+        first_base: usize,
+        second: &Tensor<E>,
+        second_base: usize,
+        start: usize,
+        seq: usize,
+        #[comptime] cfg: TileConfig,
+        #[comptime] second_cfg: TileConfig,
+    ) -> (MmaQuery<E>, MmaQuery<E>) {
+        let mut first_stage = query_stage::<E>(cfg);
+        let mut second_stage = query_stage::<E>(second_cfg);
+        let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+        sync_cube();
+        copy_owned::<E>(first, first_base, start, seq, &mut first_stage, cfg);
+        copy_owned::<E>(
+            second,
+            second_base,
+            start,
+            seq,
+            &mut second_stage,
+            second_cfg,
         );
         barrier.commit_copy_async();
         barrier.arrive_and_wait();
-
-        let steps = comptime!(cfg.head_dim / MMA_K);
-        let held = comptime!(if cfg.query_in_smem {
-            1
-        } else {
-            cfg.m_tiles() * steps * 4
-        });
-        let mut regs = Array::<Pair<E>>::new(held);
-        if comptime!(!cfg.query_in_smem) {
-            #[unroll]
-            for m in 0..cfg.m_tiles() {
-                #[unroll]
-                for step in 0..steps {
-                    let fragment =
-                        row_fragment::<E>(&stage, m, step, comptime!(cfg.head_stride()), cfg);
-                    #[unroll]
-                    for i in 0..4usize {
-                        regs[comptime!((m * steps + step) * 4 + i)] = fragment[i];
-                    }
-                }
-            }
-        }
-        MmaQuery::<E> { stage, regs }
+        (
+            query_fragments::<E>(first_stage, cfg),
+            query_fragments::<E>(second_stage, second_cfg),
+        )
     }
 
     fn scores(

@@ -31,6 +31,21 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         #[comptime] cfg: TileConfig,
     ) -> Self::Query;
 
+    /// [`load_query`](Self::load_query) of two operands of the same owned rows (keys and
+    /// values, or queries and output gradients; `second_cfg` gives the second's width), their
+    /// copies in flight together.
+    #[allow(clippy::too_many_arguments)]
+    fn load_query_pair(
+        first: &Tensor<E>,
+        first_base: usize,
+        second: &Tensor<E>,
+        second_base: usize,
+        start: usize,
+        seq: usize,
+        #[comptime] cfg: TileConfig,
+        #[comptime] second_cfg: TileConfig,
+    ) -> (Self::Query, Self::Query);
+
     /// Raw scores S = Q·Kᵀ of this unit's registers for the K block staged at `stage_base`.
     fn scores(
         query: &Self::Query,

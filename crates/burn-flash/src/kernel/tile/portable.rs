@@ -32,6 +32,22 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         query
     }
 
+    fn load_query_pair(
+        first: &Tensor<E>,
+        first_base: usize,
+        second: &Tensor<E>,
+        second_base: usize,
+        start: usize,
+        seq: usize,
+        #[comptime] cfg: TileConfig,
+        #[comptime] second_cfg: TileConfig,
+    ) -> (Array<f32>, Array<f32>) {
+        (
+            Self::load_query(first, first_base, start, seq, cfg),
+            Self::load_query(second, second_base, start, seq, second_cfg),
+        )
+    }
+
     fn scores(
         query: &Array<f32>,
         keys: &SharedMemory<E>,
