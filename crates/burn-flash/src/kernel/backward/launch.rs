@@ -269,10 +269,11 @@ pub fn backward<R: CubeRuntime>(
                 TilePath::Portable => 1,
             };
             let units = rows * group;
+            // Whole planes per cube, so that no group straddles two cubes.
             let cube_dim = CubeDim::new_1d(256);
             row_dot::launch_unchecked(
                 &client,
-                CubeCount::Static(units.div_ceil(256) as u32, 1, 1),
+                cubecl::calculate_cube_count_elemwise(&client, units, cube_dim),
                 cube_dim,
                 address,
                 width,
