@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Reproduce CubeCL's NVRTC compile of the generated kernels and get ptxas -v numbers.
 #
-#   scripts/ptxas/compile.sh out/flash_forward_*.cu   (sources from `scripts/gpu-run.sh sources`)
+#   scripts/ptxas/compile.sh out/flash_forward_*.cu   (sources from `scripts/kernel-sources.sh`,
+#                                                     no GPU, or `scripts/gpu-run.sh sources`)
 #
 # Registers, spills, stack and code size of generated kernels without a GPU: the same NVRTC
 # compile CubeCL does, then ptxas -v, from pip wheels in scripts/ptxas/venv (git-ignored).
