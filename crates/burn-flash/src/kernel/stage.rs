@@ -45,9 +45,9 @@ pub fn smem_anchor(index: usize) -> usize {
 ///
 /// The per-lane part is a [`smem_anchor`], so the constant becomes the immediate offset.
 ///
-/// Requires `row0 % 8 == 0` (the row's swizzle key is then `lane_row % 8`) and `lane_chunk`
-/// below the largest power of two dividing `chunk0` (the sum is then an XOR); the callers'
-/// lane patterns satisfy both by construction.
+/// Requires `row0 % 8 == 0` (the row's swizzle key is then `lane_row % 8`), and `lane_chunk`
+/// below 8 with no bit in common with `chunk0 % 8` (their sum is then an XOR within one group of
+/// eight chunks); the callers' lane patterns satisfy both by construction.
 #[cube]
 pub fn swizzled_offset(
     base: usize,

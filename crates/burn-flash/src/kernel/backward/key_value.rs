@@ -54,7 +54,7 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
 
     let k_head = batch * k.stride(0) + kv_head * k.stride(1);
     let v_head = batch * v.stride(0) + kv_head * v.stride(1);
-    let (keys, values) = T::load_query_pair(
+    let (mut keys, mut values) = T::load_query_pair(
         k,
         k_head,
         v,
@@ -131,22 +131,27 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         cfg,
     );
 
+    // The owned keys and values are done with: their shared memory stages dK and dV.
     let dk_head = batch * d_k.stride(0) + kv_head * d_k.stride(1);
-    #[unroll]
-    for reg in 0..key_cfg.out_regs() {
-        let (row, col) = T::out_position(reg, key_cfg);
-        let key = owned_start + row;
-        if key < band.seq_k {
-            d_k[dk_head + key * d_k.stride(2) + col] = E::cast_from(grad_k[reg] * scale);
-        }
-    }
+    T::store_owned(
+        &mut keys,
+        &grad_k,
+        scale,
+        d_k,
+        dk_head,
+        owned_start,
+        band.seq_k,
+        key_cfg,
+    );
     let dv_head = batch * d_v.stride(0) + kv_head * d_v.stride(1);
-    #[unroll]
-    for reg in 0..cfg.out_regs() {
-        let (row, col) = T::out_position(reg, cfg);
-        let key = owned_start + row;
-        if key < band.seq_k {
-            d_v[dv_head + key * d_v.stride(2) + col] = E::cast_from(grad_v[reg]);
-        }
-    }
+    T::store_owned(
+        &mut values,
+        &grad_v,
+        1.0,
+        d_v,
+        dv_head,
+        owned_start,
+        band.seq_k,
+        cfg,
+    );
 }

@@ -130,21 +130,31 @@ fn atomic_dq_usable<R: CubeRuntime>(
         && fits_shared(client, "backward", atomic.backward_shared_bytes(elem_size)).is_ok()
 }
 
-/// Columns per atomic add of the dQ accumulator: 4 where the runtime adds `float4` atomically
-/// (CUDA on SM90+) on the tensor-core tile, else 1 (and always 1 on the portable tile, whose units
-/// add single elements). `BURN_FLASH_DQ_VECTOR=1` forces 1, to run the SM80 form on newer GPUs.
+/// Columns per atomic add of the dQ accumulator on the tensor-core tile: 2 where the runtime
+/// adds `float2` atomically (CUDA on SM90+), else 1 (and always 1 on the portable tile, whose
+/// units add single elements). `BURN_FLASH_DQ_VECTOR=1|2|4` picks the width for tuning runs
+/// (1 runs the SM80 form on newer GPUs; 4, `float4`, costs a shuffle exchange per tile); a width
+/// the runtime cannot add falls back to 1.
 fn dq_vector_width<R: CubeRuntime>(client: &ComputeClient<R>, cfg: &TileConfig) -> usize {
-    static SCALAR: OnceLock<bool> = OnceLock::new();
-    let scalar =
-        *SCALAR.get_or_init(|| std::env::var("BURN_FLASH_DQ_VECTOR").as_deref() == Ok("1"));
-    let float4 =
-        Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(4);
-    let adds_float4 = client
+    static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
+    let wanted = OVERRIDE
+        .get_or_init(|| {
+            let text = std::env::var("BURN_FLASH_DQ_VECTOR").ok()?;
+            let width = text.trim().parse().ok().filter(|w| matches!(w, 1 | 2 | 4));
+            if width.is_none() {
+                log::warn!("ignoring BURN_FLASH_DQ_VECTOR={text:?}: expected 1, 2 or 4");
+            }
+            width
+        })
+        .unwrap_or(2);
+    let vector =
+        Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(wanted);
+    let adds = client
         .properties()
-        .atomic_type_usage(float4)
+        .atomic_type_usage(vector)
         .contains(AtomicUsage::Add);
-    if cfg.tile == TilePath::TensorCore && adds_float4 && !scalar {
-        4
+    if cfg.tile == TilePath::TensorCore && adds {
+        wanted
     } else {
         1
     }

@@ -62,7 +62,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
 
     let q_head = batch * q.stride(0) + head * q.stride(1);
     let g_head = batch * d_out.stride(0) + head * d_out.stride(1);
-    let (queries, grads) = T::load_query_pair(
+    let (mut queries, grads) = T::load_query_pair(
         q,
         q_head,
         d_out,
@@ -117,15 +117,18 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
         cfg,
     );
 
+    // The owned queries are done with: their shared memory stages dQ.
     let dq_head = batch * d_q.stride(0) + head * d_q.stride(1);
-    #[unroll]
-    for reg in 0..query_cfg.out_regs() {
-        let (row, col) = T::out_position(reg, query_cfg);
-        let query = span.owned_start + row;
-        if query < span.band.seq_q {
-            d_q[dq_head + query * d_q.stride(2) + col] = E::cast_from(grad_q[reg] * scale);
-        }
-    }
+    T::store_owned(
+        &mut queries,
+        &grad_q,
+        scale,
+        d_q,
+        dq_head,
+        span.owned_start,
+        span.band.seq_q,
+        query_cfg,
+    );
 }
 
 /// dQ from the atomic accumulator of the dK/dV launch: `d_q = scale · accum` in the input type,

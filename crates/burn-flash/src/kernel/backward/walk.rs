@@ -70,14 +70,26 @@ impl Sweep {
         self.end_block - self.first_block
     }
 
-    /// The member that step `step` of the walk stages (members take their blocks in turn).
-    pub fn member(&self, step: usize) -> usize {
-        step / self.blocks()
+    /// (member, first staged row) of the walk's first step.
+    pub fn start(&self, #[comptime] cfg: TileConfig) -> (usize, usize) {
+        (0usize, self.first_block * cfg.block_kv)
     }
 
-    /// First staged row of step `step`.
-    pub fn staged_row(&self, step: usize, #[comptime] cfg: TileConfig) -> usize {
-        (self.first_block + step % self.blocks()) * cfg.block_kv
+    /// (member, first staged row) of the step after (`member`, `row`): members take their
+    /// blocks in turn. Stepping by a compare instead of dividing the step index saves an
+    /// integer division (some twenty instructions) per use.
+    pub fn advance(
+        &self,
+        member: usize,
+        row: usize,
+        #[comptime] cfg: TileConfig,
+    ) -> (usize, usize) {
+        let next = row + cfg.block_kv;
+        let wrap = next == self.end_block * cfg.block_kv;
+        (
+            select(wrap, member + 1, member),
+            select(wrap, self.first_block * cfg.block_kv, next),
+        )
     }
 }
 
@@ -198,12 +210,14 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         let mut scratch = SharedMemory::<E>::new_aligned(cfg.scratch_elems(), 16usize);
         let barriers = StageBarriers::new();
         sync_cube();
+        let (mut member, mut row) = sweep.start(cfg);
         if steps > 0 {
             fetch_step::<E>(
                 first,
                 second,
                 sweep,
-                0,
+                member,
+                row,
                 seq,
                 &mut first_stages,
                 &mut second_stages,
@@ -212,7 +226,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 cfg,
             );
             if comptime!(owns_keys) {
-                fetch_step_stats(lse, delta, sweep, 0, seq, &mut next_stats, cfg);
+                fetch_step_stats(lse, delta, sweep, member, row, seq, &mut next_stats, cfg);
                 store_stats(&next_stats, &mut stats, 0, cfg);
             }
         }
@@ -220,12 +234,14 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             let stage = step % 2;
             // Also publishes the statistics stored for this stage before it.
             barriers.wait(stage);
+            let (next_member, next_row) = sweep.advance(member, row, cfg);
             if step + 1 < steps {
                 fetch_step::<E>(
                     first,
                     second,
                     sweep,
-                    step + 1,
+                    next_member,
+                    next_row,
                     seq,
                     &mut first_stages,
                     &mut second_stages,
@@ -235,17 +251,25 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 );
                 // Loaded now, stored after this block: the latency hides behind its math.
                 if comptime!(owns_keys) {
-                    fetch_step_stats(lse, delta, sweep, step + 1, seq, &mut next_stats, cfg);
+                    fetch_step_stats(
+                        lse,
+                        delta,
+                        sweep,
+                        next_member,
+                        next_row,
+                        seq,
+                        &mut next_stats,
+                        cfg,
+                    );
                 }
             }
-            let member = sweep.member(step);
             block_grads::<E, M, T, N>(
                 first_owned,
                 second_owned,
                 &first_stages,
                 &second_stages,
                 stage,
-                sweep.staged_row(step, cfg),
+                row,
                 mask,
                 bias,
                 d_bias,
@@ -270,14 +294,15 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 // the last block this stores stale values that nobody reads).
                 store_stats(&next_stats, &mut stats, 1 - stage, cfg);
             }
+            member = next_member;
+            row = next_row;
         }
     } else {
         let mut scratch = SharedMemory::<E>::new(1usize);
         let mut first_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.head_dim));
         let mut second_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.value_dim));
-        for step in 0..steps {
-            let member = sweep.member(step);
-            let first_row = sweep.staged_row(step, cfg);
+        let (mut member, mut first_row) = sweep.start(cfg);
+        for _ in 0..steps {
             sync_cube();
             load_block::<E>(
                 first,
@@ -302,7 +327,16 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 cfg.swizzle(),
             );
             if comptime!(owns_keys) {
-                fetch_step_stats(lse, delta, sweep, step, seq, &mut next_stats, cfg);
+                fetch_step_stats(
+                    lse,
+                    delta,
+                    sweep,
+                    member,
+                    first_row,
+                    seq,
+                    &mut next_stats,
+                    cfg,
+                );
                 store_stats(&next_stats, &mut stats, 0, cfg);
             }
             sync_cube();
@@ -332,18 +366,22 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 owns_keys,
                 cfg,
             );
+            let (next_member, next_row) = sweep.advance(member, first_row, cfg);
+            member = next_member;
+            first_row = next_row;
         }
     }
 }
 
-/// Issue the copies of step `step` of `sweep` into stage `stage`.
+/// Issue the copies of the block at `row` of member `member` of `sweep` into stage `stage`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fetch_step<E: Float>(
     first: &Tensor<E>,
     second: &Tensor<E>,
     sweep: Sweep,
-    step: usize,
+    member: usize,
+    row: usize,
     seq: usize,
     first_stages: &mut SharedMemory<E>,
     second_stages: &mut SharedMemory<E>,
@@ -351,13 +389,12 @@ fn fetch_step<E: Float>(
     barriers: &StageBarriers,
     #[comptime] cfg: TileConfig,
 ) {
-    let member = sweep.member(step);
     fetch_stage::<E>(
         first,
         sweep.first_base + member * sweep.first_step,
         second,
         sweep.second_base + member * sweep.second_step,
-        sweep.staged_row(step, cfg),
+        row,
         seq,
         first_stages,
         second_stages,
@@ -367,13 +404,15 @@ fn fetch_step<E: Float>(
     barriers.commit(stage);
 }
 
-/// [`fetch_stats`] of step `step` of `sweep`.
+/// [`fetch_stats`] of the block at `row` of member `member` of `sweep`.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn fetch_step_stats(
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     sweep: Sweep,
-    step: usize,
+    member: usize,
+    row: usize,
     seq: usize,
     values: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
@@ -381,8 +420,8 @@ fn fetch_step_stats(
     fetch_stats(
         lse,
         delta,
-        sweep.stat_base + sweep.member(step) * sweep.stat_step,
-        sweep.staged_row(step, cfg),
+        sweep.stat_base + member * sweep.stat_step,
+        row,
         seq,
         values,
         cfg,

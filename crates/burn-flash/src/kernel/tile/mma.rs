@@ -60,19 +60,51 @@ fn store_acc(acc: &Array<Pair<f32>>, regs: &mut Array<f32>, #[comptime] tile: us
     regs[tile * 4 + 3] = acc[1][1];
 }
 
+/// Write `factor` times this plane's accumulator-shaped registers `regs` (its `cols` columns per
+/// m16 block) to `tile`, a block of rows `width` apart swizzled like the stages, at the positions
+/// they stand for. A lane's pairs of n-tile `n` sit at its accumulator row (+ 8, + 16·m) in chunk
+/// `n` of its plane's part: the swizzle key is the lane's, so each n-tile's address is one
+/// register and the rows are immediates (`swizzled_offset`).
+#[cube]
+fn write_tile<E: Float>(
+    regs: &Array<f32>,
+    factor: f32,
+    tile: &mut SharedMemory<E>,
+    #[comptime] cols: usize,
+    #[comptime] width: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    let (lane_row, lane_col) = acc_position::<E>(0usize);
+    let part_chunk = plane_part(cfg) * comptime!(cols / CHUNK);
+    let n_tiles = comptime!(cols / MMA_N);
+    #[unroll]
+    for m in 0..cfg.m_tiles() {
+        #[unroll]
+        for n in 0..n_tiles {
+            #[unroll]
+            for half in 0..2usize {
+                let reg = comptime!((m * n_tiles + n) * 4 + half * 2);
+                let at = swizzled_offset(
+                    lane_col,
+                    group_row(cfg) + lane_row,
+                    part_chunk,
+                    comptime!(m * MMA_M + half * 8),
+                    n,
+                    width,
+                );
+                tile[at] = E::cast_from(regs[reg] * factor);
+                tile[at + 1] = E::cast_from(regs[comptime!(reg + 1)] * factor);
+            }
+        }
+    }
+}
+
 /// Write this plane's score-shaped registers `regs` to `tile` as [owned row][staged column]
-/// (`cfg.block_kv` wide, swizzled like the stages), where the rows of a group are the A operand
-/// of `accumulate_shared`'s product and, read transposed, of the atomic dQ's.
+/// (`cfg.block_kv` wide), where the rows of a group are the A operand of `accumulate_shared`'s
+/// product and, read transposed, of the atomic dQ's.
 #[cube]
 fn publish<E: Float>(regs: &Array<f32>, tile: &mut SharedMemory<E>, #[comptime] cfg: TileConfig) {
-    #[unroll]
-    for pair_reg in 0..cfg.score_regs() / 2 {
-        let reg = comptime!(pair_reg * 2);
-        let (row, col) = acc_block_position::<E>(reg, cfg.score_cols(), cfg);
-        let at = stage_offset(row, col, cfg.block_kv, true);
-        tile[at] = E::cast_from(regs[reg]);
-        tile[at + 1] = E::cast_from(regs[comptime!(reg + 1)]);
-    }
+    write_tile::<E>(regs, 1.0, tile, cfg.score_cols(), cfg.block_kv, cfg);
 }
 
 /// Registers `first..first + count` of `regs` as a new operand array.
@@ -332,10 +364,11 @@ fn transposed_product<E: Float, N: Size>(
 
 /// Add the m16n8 accumulator tile at registers `first..first + 4` to rows `row0..row0 + 16`,
 /// columns `col0..col0 + 8` of `accum` (`cfg.head_dim` wide, from element `accum_base`), skipping
-/// rows at or past `staged_len`. `N` is 4 or 1: a lane holds columns (2t, 2t + 1) of rows g and
-/// g + 8; for 4-wide atomics (SM90 adds a `float4` in one instruction), lanes t and t ^ 1 swap
-/// halves so that the even one holds 4 columns of row g and the odd one 4 of row g + 8; else each
-/// lane adds its 4 elements one by one.
+/// rows at or past `staged_len`. A lane holds columns (2t, 2t + 1) of rows g and g + 8. `N` is
+/// 2, 4 or 1: 2-wide atomics (SM90 adds a `float2` in one instruction) add each row's pair as it
+/// lies; for 4-wide ones lanes t and t ^ 1 swap halves by a shuffle so that the even one holds 4
+/// columns of row g and the odd one 4 of row g + 8 (half the atomics, two shuffles and six
+/// selects more); else each lane adds its 4 elements one by one.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn add_tile<E: Float, N: Size>(
@@ -365,6 +398,17 @@ fn add_tile<E: Float, N: Size>(
         if row < staged_len {
             let column = col - select(odd, 2usize, 0usize);
             accum[(base + row * cfg.head_dim + column) / width].fetch_add(sum);
+        }
+    } else if comptime!(width == 2) {
+        #[unroll]
+        for half in 0..2usize {
+            let row = row0 + row + comptime!(half * 8);
+            if row < staged_len {
+                let mut pair = Vector::<f32, N>::empty();
+                pair[0] = regs[comptime!(first + half * 2)];
+                pair[1] = regs[comptime!(first + half * 2 + 1)];
+                accum[(base + row * cfg.head_dim + col) / width].fetch_add(pair);
+            }
         }
     } else {
         #[unroll]
@@ -663,6 +707,47 @@ impl<E: Float> AttentionTile<E> for MmaTile {
             staged_len,
             cfg,
         );
+    }
+
+    fn store_owned(
+        owned: &mut MmaQuery<E>,
+        regs: &Array<f32>,
+        factor: f32,
+        out: &mut Tensor<E>,
+        head_base: usize,
+        start: usize,
+        seq: usize,
+        #[comptime] cfg: TileConfig,
+    ) {
+        let stride = comptime!(cfg.value_stride());
+        // Every plane is done reading the owned block (the last staged block's products).
+        sync_cube();
+        write_tile::<E>(regs, factor, &mut owned.stage, cfg.out_cols(), stride, cfg);
+        sync_cube();
+        // The units walk the block's 16-byte chunks in row order: a plane writes whole rows.
+        let chunks_per_row = comptime!(cfg.value_dim / CHUNK);
+        let chunks = comptime!(cfg.block_q * chunks_per_row);
+        let units = comptime!(cfg.units());
+        let row_stride = out.stride(2);
+        #[unroll]
+        for pass in 0..comptime!(chunks.div_ceil(units)) {
+            let id = comptime!(pass * units) + UNIT_POS as usize;
+            let row = id / chunks_per_row;
+            let chunk = id % chunks_per_row;
+            if id < chunks && start + row < seq {
+                let at = stage_offset(row, chunk * CHUNK, stride, true);
+                let to = head_base + (start + row) * row_stride + chunk * CHUNK;
+                let mut dst = out
+                    .slice_mut(to, to + CHUNK)
+                    .into_vectorized()
+                    .with_vector_size::<Const<CHUNK>>();
+                dst[0] = owned
+                    .stage
+                    .slice(at, at + CHUNK)
+                    .into_vectorized()
+                    .with_vector_size::<Const<CHUNK>>()[0];
+            }
+        }
     }
 
     fn add_staged(

@@ -84,10 +84,10 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// row `staged_start + r` of `accum` from element `accum_base`; rows at or past `staged_len`
     /// are skipped. With split planes (`cfg.split > 1`) `scratch` already holds all of `G`, as
     /// [`accumulate_shared`](Self::accumulate_shared) left it, and `grads` is not read.
-    /// `accum` is read as vectors of `N` f32 (the tensor-core tile adds 4 adjacent
-    /// columns per atomic where the runtime adds `float4`, else 1; the portable tile 1). `scratch` holds
-    /// `cfg.block_q · cfg.block_kv` elements; the caller synchronises the cube before `scratch`
-    /// is written again.
+    /// `accum` is read as vectors of `N` f32 (the tensor-core tile adds 2 or 4 adjacent columns
+    /// per atomic where the runtime adds `float2` or `float4`, else 1; the portable tile 1).
+    /// `scratch` holds `cfg.block_q · cfg.block_kv` elements; the caller synchronises the cube
+    /// before `scratch` is written again.
     #[allow(clippy::too_many_arguments)]
     fn add_transposed_product<N: Size>(
         grads: &Array<f32>,
@@ -97,6 +97,25 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         accum_base: usize,
         staged_start: usize,
         staged_len: usize,
+        #[comptime] cfg: TileConfig,
+    );
+
+    /// Write `factor` times this unit's accumulators `regs` (laid out as
+    /// [`accumulate`](Self::accumulate) leaves them, `cfg.value_dim` wide) to rows `start + r` of
+    /// one head of `out` (from element `head_base`), skipping rows at or past `seq`. `owned` is
+    /// the operand this cube owns (as [`load_query`](Self::load_query) gave it for these rows,
+    /// `cfg.value_dim` wide) and is consumed: the tensor-core tile stages the block in its shared
+    /// memory and writes whole 16-byte row chunks, where storing from the accumulator layout
+    /// would issue one 2-byte store per register; the portable tile stores its row directly.
+    #[allow(clippy::too_many_arguments)]
+    fn store_owned(
+        owned: &mut Self::Query,
+        regs: &Array<f32>,
+        factor: f32,
+        out: &mut Tensor<E>,
+        head_base: usize,
+        start: usize,
+        seq: usize,
         #[comptime] cfg: TileConfig,
     );
 

@@ -146,6 +146,26 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         (UNIT_POS as usize, reg)
     }
 
+    fn store_owned(
+        _owned: &mut Array<f32>,
+        regs: &Array<f32>,
+        factor: f32,
+        out: &mut Tensor<E>,
+        head_base: usize,
+        start: usize,
+        seq: usize,
+        #[comptime] cfg: TileConfig,
+    ) {
+        let row = start + UNIT_POS as usize;
+        if row < seq {
+            let at = head_base + row * out.stride(2);
+            #[unroll]
+            for col in 0..cfg.value_dim {
+                out[at + col] = E::cast_from(regs[col] * factor);
+            }
+        }
+    }
+
     fn out_position(#[comptime] reg: usize, #[comptime] _cfg: TileConfig) -> (usize, usize) {
         (UNIT_POS as usize, reg)
     }
