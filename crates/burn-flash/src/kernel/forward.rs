@@ -104,15 +104,15 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     }
 
     let (first, end) = kv_blocks(coords.band, coords.q_start, cfg);
-    if comptime!(cfg.tile == TilePath::TensorCore) {
+    let mut query = if comptime!(cfg.tile == TilePath::TensorCore) {
         kv_loop_pipelined::<E, M, T>(
             q, k, v, mask, bias, coords, first, end, scale, &mut stats, &mut acc, cfg,
-        );
+        )
     } else {
         kv_loop::<E, M, T>(
             q, k, v, mask, bias, coords, first, end, scale, &mut stats, &mut acc, cfg,
-        );
-    }
+        )
+    };
 
     let (mut inv_sum, row_lse) = finish::<E, T>(&stats, scale, neg_inf, cfg);
     if comptime!(cfg.dropout) {
@@ -121,15 +121,32 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
             inv_sum[slot] *= coords.dropout.scale;
         }
     }
-    let out_base = batch * out.stride(0) + head * out.stride(1);
     #[unroll]
     for reg in 0..cfg.out_regs() {
-        let (row, col) = T::out_position(reg, cfg);
-        let query_row = coords.q_start + row;
-        if query_row < coords.band.seq_q {
-            let slot = comptime!(cfg.out_slot(reg));
-            out[out_base + query_row * out.stride(2) + col] =
-                E::cast_from(acc[reg] * inv_sum[slot]);
+        acc[reg] *= inv_sum[comptime!(cfg.out_slot(reg))];
+    }
+    let out_base = batch * out.stride(0) + head * out.stride(1);
+    if comptime!(cfg.value_stride() <= cfg.head_stride()) {
+        // The query block is done with: its shared memory stages the output rows.
+        T::store_owned(
+            &mut query,
+            &acc,
+            1.0,
+            out,
+            out_base,
+            coords.q_start,
+            coords.band.seq_q,
+            cfg,
+        );
+    } else {
+        // Values wider than queries: the output does not fit in the query block.
+        #[unroll]
+        for reg in 0..cfg.out_regs() {
+            let (row, col) = T::out_position(reg, cfg);
+            let query_row = coords.q_start + row;
+            if query_row < coords.band.seq_q {
+                out[out_base + query_row * out.stride(2) + col] = E::cast_from(acc[reg]);
+            }
         }
     }
     if T::writes_row_stats() {
@@ -225,7 +242,7 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
 
 /// Blocks `[first, end)` through two shared-memory stages filled by asynchronous copies: block
 /// `j + 1` (with its staged mask and bias blocks) is in flight while block `j` is computed. The
-/// query block loads while the first KV block is in flight.
+/// query block loads while the first KV block is in flight; it is returned for the epilogue.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
@@ -241,7 +258,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     stats: &mut RowStats,
     acc: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
-) {
+) -> T::Query {
     let mut keys =
         SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.head_stride()), 16usize);
     let mut values =
@@ -306,6 +323,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
             cfg,
         );
     }
+    query
 }
 
 /// Issue the asynchronous copies of KV block `block` (its keys and values, and its blocks of the
@@ -356,7 +374,7 @@ fn fetch_block<E: Float, M: Int>(
 }
 
 /// Blocks `[first, end)` through one shared-memory stage filled by plain loads, the cube
-/// synchronised around it.
+/// synchronised around it; the query rows are returned for the epilogue.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
@@ -372,7 +390,7 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
     stats: &mut RowStats,
     acc: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
-) {
+) -> T::Query {
     let query = T::load_query(q, coords.q_base, coords.q_start, coords.band.seq_q, cfg);
     let mut keys = SharedMemory::<E>::new(cfg.block_kv * cfg.head_dim);
     let mut values = SharedMemory::<E>::new(cfg.block_kv * cfg.value_dim);
@@ -419,4 +437,5 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
             cfg,
         );
     }
+    query
 }
