@@ -32,8 +32,8 @@ use burn::tensor::ops::AttentionModuleOptions;
 ///   repeated runs give identical bits. `false` selects FlashAttention-2's scheme instead, each
 ///   key block adding its share of dQ with f32 atomics (tensor-core tile only; runtimes
 ///   without f32 atomic add keep the deterministic pass). On the H100 the atomic one is 4–15 %
-///   faster at head dim 128 and 10 % slower at head dim 64 (`docs/backward.md`); the default
-///   keeps the reproducible one.
+///   faster at head dim 128 from n 2048, slower below that when causal and 10 % slower at head
+///   dim 64 (`docs/backward.md`); the default keeps the reproducible one.
 ///
 /// The default is not causal, no window, the default scale, no softcap, no ALiBi, no dropout,
 /// deterministic dQ. The type may gain fields: build it with [`new`](Self::new) or
