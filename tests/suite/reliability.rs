@@ -10,7 +10,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor};
 use burn_flash::{FlashAttentionBackend, FlashAttentionOptions, flash_attention};
 use common::{
-    Error, Inputs, Problem, Spec, error, random_normal, reference_attention, reference_grads,
+    Inputs, Problem, Spec, error, random_normal, reference_attention, reference_grads,
     tensor_from_host, to_host, unfused_attention, unfused_grads, widen,
 };
 
@@ -586,7 +586,7 @@ mod cuda {
                 &seen,
                 scale,
             );
-            let err: Error = error(&dq[at], &rq, d);
+            let err = error(&dq[at], &rq, d);
             eprintln!("{label} row {i}: dq {err}");
             if !(err.finite() && err.relative <= 16.0 * unit_roundoff(DType::BF16)) {
                 failures.push(format!("{label} row {i}: dq {err}"));
