@@ -79,8 +79,9 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
            its gradient in fwdbwd. Rows IMPL-bias; Burn's peers get it expanded.
 --dropout: attention dropout of probability P (burn-flash only; rows burn-flash-dropP).
 --alibi:   ALiBi's biases computed in the kernel (burn-flash only; rows burn-flash-alibi).
---atomic-dq: the backward adds dQ by atomics (`with_deterministic(false)`; burn-flash only;
-           rows burn-flash-atomicdq).
+--atomic-dq: `with_deterministic(false)`: the backward adds dQ by atomics where that is the
+           faster way (head dim 128 from 1024 keys, 2048 causal), else as by default
+           (burn-flash only; rows burn-flash-atomicdq).
 --peers:   a CSV of the same columns from another program on this device (torch_sdpa_bench.py),
            whose rows join the summary printed after the CSV.
 --backend: cuda-bare times Burn's CubeBackend without the fusion stream (what the stream costs

@@ -105,13 +105,13 @@ fn both_dq_modes_match_reference() {
         "the deterministic dQ did not run"
     );
 
-    burn_flash::testing::portable_atomic_dq(true);
+    let forced = burn_flash::testing::force_atomic_dq();
     let (atomic_before, _) = burn_flash::testing::dq_launches();
     for (problem, causal) in problems {
         check_mode(problem, causal, 92, false);
     }
     let (atomic_after, _) = burn_flash::testing::dq_launches();
-    burn_flash::testing::portable_atomic_dq(false);
+    drop(forced);
     if atomic_after < atomic_before + problems.len() {
         println!("skipped the atomic dQ check: this runtime has no f32 atomic add");
     }

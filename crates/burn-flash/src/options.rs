@@ -29,11 +29,12 @@ use burn::tensor::ops::AttentionModuleOptions;
 ///   decisions come from a counter-based generator seeded by `seed`: the same seed gives the
 ///   same mask, the backward regenerates it, and nothing is stored. See [`AttentionDropout`].
 /// - `deterministic` (default `true`): the fused backward computes dQ in its own pass, so
-///   repeated runs give identical bits. `false` selects FlashAttention-2's scheme instead, each
-///   key block adding its share of dQ with f32 atomics (tensor-core tile only; runtimes
-///   without f32 atomic add keep the deterministic pass). On the H100 the atomic one is 4–15 %
-///   faster at head dim 128 from n 2048, slower below that when causal and 10 % slower at head
-///   dim 64 (`docs/backward.md`); the default keeps the reproducible one.
+///   repeated runs give identical bits. `false` allows FlashAttention-2's scheme instead, each
+///   key block adding its share of dQ with f32 atomics, and the backward takes whichever of the
+///   two is faster for the shape, as measured on the H100 (`docs/backward.md`): the atomic one
+///   from head dim 128 over at least 1024 keys (2048 when causal), where it is 4–15 % faster;
+///   dQ's own pass below that, at head dim 64 and on the portable tile. Runtimes without f32
+///   atomic add always take dQ's own pass.
 ///
 /// The default is not causal, no window, the default scale, no softcap, no ALiBi, no dropout,
 /// deterministic dQ. The type may gain fields: build it with [`new`](Self::new) or
@@ -64,8 +65,8 @@ pub struct FlashAttentionOptions {
     pub alibi: bool,
     /// Drop attention probabilities; `None` (or a probability of 0): no dropout.
     pub dropout: Option<AttentionDropout>,
-    /// The backward sums dQ in its own launch in a fixed order (`true`, the default) or by
-    /// f32 atomics from the key-block launch (`false`).
+    /// The backward sums dQ in its own launch in a fixed order (`true`, the default), or
+    /// (`false`) may add it by f32 atomics from the key-block launch where that is faster.
     pub deterministic: bool,
 }
 
@@ -344,8 +345,8 @@ impl FlashAttentionOptions {
         self
     }
 
-    /// These options with a deterministic (`true`, the default) or atomic (`false`) dQ in the
-    /// fused backward.
+    /// These options with a deterministic dQ in the fused backward (`true`, the default), or
+    /// (`false`) the faster of the deterministic and the atomic one for each shape.
     ///
     /// # Example
     ///

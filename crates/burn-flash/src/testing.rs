@@ -23,27 +23,39 @@ pub(crate) fn poison_enabled() -> bool {
     POISON.load(Ordering::Relaxed)
 }
 
-static PORTABLE_ATOMIC_DQ: AtomicBool = AtomicBool::new(false);
+static FORCED_ATOMIC_DQ: AtomicUsize = AtomicUsize::new(0);
 
-/// Let the portable tile add dQ by f32 atomics too (process-wide; off by default). Per-unit
-/// atomics make that path slower than the extra dQ launch on the runtimes the portable tile
-/// serves, so it only runs when a test asks for it, to check on wgpu/lavapipe the atomic dQ's
-/// indexing, which the tensor-core tile shares.
+/// While the returned guard lives, a backward asked for a non-deterministic dQ
+/// (`with_deterministic(false)`) takes the atomic dQ wherever the runtime can run it, on either
+/// tile, instead of the faster of the two for the shape: tests use it to cover the atomic path
+/// on small shapes, where the separate dQ launch is faster, and on the portable tile, whose
+/// per-unit atomics are always slower. Guards nest and may live on several threads at once.
 ///
 /// # Example
 ///
 /// ```
-/// burn_flash::testing::portable_atomic_dq(true);
-/// // ... run a backward on wgpu ...
-/// burn_flash::testing::portable_atomic_dq(false);
+/// let atomic = burn_flash::testing::force_atomic_dq();
+/// // ... run backwards with `with_deterministic(false)` ...
+/// drop(atomic);
 /// ```
-pub fn portable_atomic_dq(enabled: bool) {
-    PORTABLE_ATOMIC_DQ.store(enabled, Ordering::Relaxed);
+#[must_use = "the atomic dQ is forced only while the guard lives"]
+pub fn force_atomic_dq() -> ForcedAtomicDq {
+    FORCED_ATOMIC_DQ.fetch_add(1, Ordering::SeqCst);
+    ForcedAtomicDq(())
 }
 
-/// Whether [`portable_atomic_dq`] is on; read by the backward launcher.
-pub(crate) fn portable_atomic_dq_enabled() -> bool {
-    PORTABLE_ATOMIC_DQ.load(Ordering::Relaxed)
+/// Guard of [`force_atomic_dq`].
+pub struct ForcedAtomicDq(());
+
+impl Drop for ForcedAtomicDq {
+    fn drop(&mut self) {
+        FORCED_ATOMIC_DQ.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Whether some [`force_atomic_dq`] guard lives; read by the backward launcher.
+pub(crate) fn atomic_dq_forced() -> bool {
+    FORCED_ATOMIC_DQ.load(Ordering::SeqCst) > 0
 }
 
 static ATOMIC_DQ: AtomicUsize = AtomicUsize::new(0);

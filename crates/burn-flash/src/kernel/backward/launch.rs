@@ -108,9 +108,7 @@ fn tile_config(
 
 /// Whether dQ can be added by f32 atomics from the dK/dV launch with these blocks: the runtime
 /// adds f32 atomically, every plane gets whole m16 blocks of the staged queries, and the
-/// transpose scratch fits in shared memory. Otherwise dQ takes its own launch. The portable
-/// tile's per-unit atomics are slower than that launch, so it takes them only when a test asks
-/// ([`portable_atomic_dq`](crate::testing::portable_atomic_dq)).
+/// transpose scratch fits in shared memory. Otherwise dQ takes its own launch.
 fn atomic_dq_usable<R: CubeRuntime>(
     client: &ComputeClient<R>,
     cfg: &TileConfig,
@@ -123,11 +121,24 @@ fn atomic_dq_usable<R: CubeRuntime>(
         .contains(AtomicUsage::Add);
     let whole_blocks = match cfg.tile {
         TilePath::TensorCore => cfg.block_kv.is_multiple_of(cfg.planes / cfg.split * MMA_M),
-        TilePath::Portable => crate::testing::portable_atomic_dq_enabled(),
+        TilePath::Portable => true,
     };
     let atomic = cfg.with_atomic_dq(true);
     adds && whole_blocks
         && fits_shared(client, "backward", atomic.backward_shared_bytes(elem_size)).is_ok()
+}
+
+/// Whether the atomic dQ is the faster of the two ways for these shapes, as measured on the H100
+/// (`docs/backward.md`): on the tensor-core tile from head dim 128 over at least 1024 keys, 2048
+/// when causal (4–15 % faster there). Shorter, causal-short and head-dim-64 backwards are faster
+/// with dQ's own launch, and the portable tile's per-unit atomics always are.
+/// [`force_atomic_dq`](crate::testing::force_atomic_dq) overrides this for tests.
+fn atomic_dq_faster(cfg: &TileConfig, seq_k: usize) -> bool {
+    let min_keys = if cfg.mask.right { 2048 } else { 1024 };
+    crate::testing::atomic_dq_forced()
+        || (cfg.tile == TilePath::TensorCore
+            && cfg.head_dim.max(cfg.value_dim) >= 128
+            && seq_k >= min_keys)
 }
 
 /// Columns per atomic add of the dQ accumulator on the tensor-core tile: 2 where the runtime
@@ -172,8 +183,9 @@ pub struct Grads<R: CubeRuntime> {
 /// Gradients of the fused attention, from its inputs, its output `out`, its log-sum-exp `lse`
 /// (`[b, h, sq]`, f32) and the output gradient `d_out`. Inputs as for
 /// [`forward`](crate::kernel::forward), accepted by [`backward_support`]. Unless
-/// `deterministic`, dQ is summed by f32 atomics where [`atomic_dq_usable`] allows it and no bias
-/// gradient is asked for (`bias_grad`; it is written by the dQ launch).
+/// `deterministic`, dQ is summed by f32 atomics where that is faster ([`atomic_dq_faster`]),
+/// [`atomic_dq_usable`] allows it and no bias gradient is asked for (`bias_grad`; it is written
+/// by the dQ launch).
 #[allow(clippy::too_many_arguments)]
 pub fn backward<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -229,6 +241,7 @@ pub fn backward<R: CubeRuntime>(
         .with_bias_grad(bias_grad);
     let atomic = (!deterministic && !bias_grad && seq_q > 0)
         .then(|| blocks(true))
+        .filter(|atomic| atomic_dq_faster(atomic, seq_k))
         .filter(|atomic| atomic_dq_usable(&client, atomic, dtype.size()));
     let cfg = match atomic {
         Some(atomic) => atomic.with_atomic_dq(true),
@@ -387,4 +400,32 @@ pub fn backward<R: CubeRuntime>(
         }
     }
     grads
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::config::MaskConfig;
+
+    #[test]
+    fn atomic_dq_only_where_measured_faster() {
+        let tc = |d: usize, causal: bool| TileConfig {
+            mask: MaskConfig {
+                right: causal,
+                ..MaskConfig::default()
+            },
+            ..key_value_config(TilePath::TensorCore, d, d, true)
+        };
+        assert!(atomic_dq_faster(&tc(128, false), 1024));
+        assert!(!atomic_dq_faster(&tc(128, false), 1023));
+        assert!(atomic_dq_faster(&tc(128, true), 2048));
+        assert!(!atomic_dq_faster(&tc(128, true), 1024));
+        assert!(atomic_dq_faster(&tc(256, false), 4096));
+        assert!(!atomic_dq_faster(&tc(64, false), 16384));
+        let portable = key_value_config(TilePath::Portable, 128, 128, true);
+        assert!(!atomic_dq_faster(&portable, 16384));
+        let _forced = crate::testing::force_atomic_dq();
+        assert!(atomic_dq_faster(&tc(64, true), 1));
+        assert!(atomic_dq_faster(&portable, 1));
+    }
 }
