@@ -9,7 +9,8 @@
 //! Register counts, spills and SASS of the kernels (`scripts/ptxas/compile.sh`) need their
 //! source, which CubeCL only produces inside a launch. This runs the public API (bf16, b 1, h 2,
 //! seq 256, per head dim: forward, then forward + backward with the deterministic and the atomic
-//! dQ, each without and with the causal mask) on `FakeCuda`: a runtime with CubeCL's CUDA
+//! dQ, each without and with the causal mask; then the forward with a per-pair boolean mask) on
+//! `FakeCuda`: a runtime with CubeCL's CUDA
 //! compiler and the device properties the CUDA runtime reports for an H100 (sm_90, 132 SMs,
 //! 227 KiB of shared memory per block), whose server compiles each new kernel as the CUDA
 //! server does and writes its source instead of running it. The kernels specialise on the
@@ -29,10 +30,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::backend::Autodiff;
-use burn::tensor::Tensor;
 use burn::tensor::backend::{Backend, DeviceOps};
+use burn::tensor::{Bool, Tensor};
 use burn_cubecl::CubeBackend;
-use burn_flash::{FlashAttentionOptions, flash_attention};
+use burn_flash::{AttentionMask, FlashAttentionOptions, flash_attention, flash_attention_masked};
 use cubecl::backtrace::BackTrace;
 use cubecl::bytes::Bytes;
 use cubecl::client::ComputeClient;
@@ -422,6 +423,13 @@ fn main() {
                 });
             }
         }
+        // The forward with a per-pair boolean mask (packed into bits, staged as words).
+        run(format!("d{d}_boolmask"), || {
+            let [q, k, v] = inputs::<Cube>(d);
+            let mask = Tensor::<Cube, 4, Bool>::empty([1, 1, 256, 256], &Default::default());
+            let mask = Some(AttentionMask::Full(mask));
+            flash_attention_masked(q, k, v, mask, None, FlashAttentionOptions::default());
+        });
     }
     println!("kernel sources in {}", out.display());
 }

@@ -84,13 +84,14 @@ for stage in "$@"; do
     rm -f "$OUT"/test-*.log
     ;;
   sanitize)
-    # compute-sanitizer over every fused kernel on ragged shapes (the test below launches the
-    # forward and both backward dQ modes), one process per tool, all at once; exit code 9 means
-    # the tool reported an error.
+    # compute-sanitizer over every fused kernel on ragged shapes (the tests below launch the
+    # forward and both backward dQ modes, and the forward's mask packing and staging), one
+    # process per tool, all at once; exit code 9 means the tool reported an error.
     for tool in ${SANITIZERS:-memcheck racecheck synccheck initcheck}; do
       ( BURN_FLASH_REQUIRE_CUDA=1 CUBECL_AUTOTUNE_LEVEL=minimal timeout "${SANITIZE_TIMEOUT:-400}" \
           compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 50 \
-          .gpu/test-suite --exact reliability::cuda::sanitizer_shapes_cuda --nocapture \
+          .gpu/test-suite --exact reliability::cuda::sanitizer_shapes_cuda \
+          masks::cuda::boolean_masks_cuda --test-threads 1 --nocapture \
           >"$OUT/sanitizer-$tool.log" 2>&1
         rc=$?
         echo "sanitizer $tool rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|test result' \

@@ -980,8 +980,15 @@ mod cuda {
                     MaskInput::Full([2, 2, 150, 150]),
                     None,
                 ),
-                // Key counts that are multiples of 16: the forward stages these masks in shared
-                // memory (the last KV block and query block cross the sequences' ends).
+                // The tensor-core forward packs per-pair masks into bits: the last KV block and
+                // query block cross the sequences' ends, an odd key count reads the mask an
+                // element at a time.
+                Case::new(
+                    Problem::cross(2, 3, 70, 333, 64),
+                    Spec::from(true),
+                    MaskInput::Full([2, 1, 70, 333]),
+                    None,
+                ),
                 Case::new(
                     Problem::cross(2, 2, 150, 208, 128),
                     Spec::from(true),

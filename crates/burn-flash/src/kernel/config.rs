@@ -96,6 +96,9 @@ pub struct MaskConfig {
     /// The mask input is the same for every query (`[b|1, h|1, 1, seq_k]`, key padding): it is
     /// read once per key instead of once per pair.
     pub per_key: bool,
+    /// The mask input reaches the tensor-core forward packed, a bit per pair
+    /// ([`pack`](super::pack)), and is staged as words.
+    pub packed: bool,
 }
 
 impl TileConfig {
@@ -168,6 +171,12 @@ impl TileConfig {
     /// These blocks with the score inputs of `staged` staged in shared memory.
     pub fn with_staged(self, staged: Staged) -> Self {
         Self { staged, ..self }
+    }
+
+    /// These blocks reading their mask input packed ([`MaskConfig::packed`]) or not.
+    pub fn with_packed_mask(mut self, packed: bool) -> Self {
+        self.mask.packed = packed;
+        self
     }
 
     /// These blocks writing the bias gradient from the dQ launch (`true`) or not.
@@ -341,15 +350,32 @@ impl TileConfig {
         if self.mask.per_key { 1 } else { self.block_q }
     }
 
-    /// Bytes of the two stages of each staged score input (`rows × block_kv` elements of
-    /// `16 / chunk` bytes each).
+    /// Elements of one staged mask block: `mask_rows × block_kv`, or, packed, a word per 32 keys
+    /// of each of the `block_q` rows.
+    pub fn mask_stage_len(&self) -> usize {
+        if self.mask.packed {
+            self.block_q * self.packed_words()
+        } else {
+            self.mask_rows() * self.block_kv
+        }
+    }
+
+    /// Words of a packed mask per query row of one KV block.
+    pub fn packed_words(&self) -> usize {
+        self.block_kv / 32
+    }
+
+    /// Bytes of the two stages of each staged score input (elements of `16 / chunk` bytes).
     fn staged_bytes(&self) -> usize {
-        let mask = self.staged.mask.map(|chunk| (self.mask_rows(), chunk));
-        let bias = self.staged.bias.map(|chunk| (self.block_q, chunk));
+        let mask = self.staged.mask.map(|chunk| (self.mask_stage_len(), chunk));
+        let bias = self
+            .staged
+            .bias
+            .map(|chunk| (self.block_q * self.block_kv, chunk));
         [mask, bias]
             .into_iter()
             .flatten()
-            .map(|(rows, chunk)| 2 * rows * self.block_kv * (16 / chunk))
+            .map(|(len, chunk)| 2 * len * (16 / chunk))
             .sum()
     }
 
@@ -474,6 +500,7 @@ impl ScoreParams {
                 left: left.is_some(),
                 tensor: false,
                 per_key: false,
+                packed: false,
             },
             bias: false,
             left: offset(left),

@@ -208,7 +208,7 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
         &mut scores,
         mask,
         mask_stages,
-        stage * comptime!(cfg.mask_rows() * cfg.block_kv),
+        stage * comptime!(cfg.mask_stage_len()),
         coords.views.mask,
         coords.band,
         coords.q_start,
@@ -263,8 +263,8 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
         SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.head_stride()), 16usize);
     let mut values =
         SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.value_stride()), 16usize);
-    let mut mask_stages = input_stages::<M>(cfg.staged.mask, cfg.mask_rows(), cfg);
-    let mut bias_stages = input_stages::<E>(cfg.staged.bias, cfg.block_q, cfg);
+    let mut mask_stages = input_stages::<M>(cfg.staged.mask, cfg.mask_stage_len());
+    let mut bias_stages = input_stages::<E>(cfg.staged.bias, cfg.block_q * cfg.block_kv);
     let barriers = StageBarriers::new();
     sync_cube();
 

@@ -3,7 +3,8 @@
 //! are `ComptimeOption`s: a kernel without them has no trace of them. The backward and the
 //! portable forward read them element by element where the score registers sit; the tensor-core
 //! forward stages each KV block's block of them in shared memory beside the keys and values
-//! ([`Staged`](super::config::Staged)), where the launch can.
+//! ([`Staged`](super::config::Staged)), where the launch can, a per-pair mask packed into bits
+//! ([`pack`](super::pack)).
 //!
 //! The bias is added to the raw (unscaled, softcapped) scores divided by the scale, so that
 //! everything downstream, which multiplies by the scale, sees `scale · s + bias` as Burn's
@@ -13,7 +14,7 @@ use cubecl::prelude::*;
 
 use super::config::TileConfig;
 use super::mask::Band;
-use super::stage::{copy_input_async, input_offset};
+use super::stage::{copy_input_async, copy_packed_async, input_offset, smem_anchor};
 use super::tile::AttentionTile;
 
 /// Where one (batch, head) starts in a broadcast input and how far apart its query rows are.
@@ -105,7 +106,9 @@ pub fn hide_staged<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
 ) {
     let chunk = comptime!(cfg.staged.mask.unwrap());
-    if comptime!(cfg.mask.per_key) {
+    if comptime!(cfg.mask.packed) {
+        hide_packed::<E, M, T>(scores, stages, staged_base, fill, cfg);
+    } else if comptime!(cfg.mask.per_key) {
         let mut hidden = Array::<bool>::new(cfg.score_regs());
         let mut any_hidden = false;
         #[unroll]
@@ -139,6 +142,41 @@ pub fn hide_staged<E: Float, M: Int, T: AttentionTile<E>>(
         for reg in 0..cfg.score_regs() {
             scores[reg] = select(hidden[reg], fill, scores[reg]);
         }
+    }
+}
+
+/// [`hide_staged`] for a packed mask block ([`pack`](super::pack): `cfg.packed_words()` words
+/// per query row). A unit's scores of one row sit at its first column plus a constant per
+/// register, and that first column is below 8 with every register's constant at most one past a
+/// multiple of 8 (both tiles' layouts): shifting a word right by the first column once leaves
+/// each score's bit at its register's constant, one bit test per score. Loads first, then the
+/// selects, as unpacked.
+#[cube]
+fn hide_packed<E: Float, M: Int, T: AttentionTile<E>>(
+    scores: &mut Array<f32>,
+    stages: &SharedMemory<M>,
+    staged_base: usize,
+    fill: f32,
+    #[comptime] cfg: TileConfig,
+) {
+    let words = comptime!(cfg.packed_words());
+    let (first_row, first_col) = T::score_position(0usize, cfg);
+    let lane_shift = u32::cast_from(first_col);
+    // Each register's word is this unit's first plus a constant: an immediate offset.
+    let first_word = smem_anchor(staged_base + first_row * words);
+    let mut hidden = Array::<bool>::new(cfg.score_regs());
+    #[unroll]
+    for reg in 0..cfg.score_regs() {
+        let (row, col) = T::score_position(reg, cfg);
+        // Steps from the unit's first score: the compiler folds the lane's part away.
+        let step = col - first_col;
+        let word_step = (row - first_row) * words + step / 32;
+        let word = u32::cast_from(stages[first_word + word_step]) >> lane_shift;
+        hidden[reg] = ((word >> u32::cast_from(step % 32)) & 1u32) != 0u32;
+    }
+    #[unroll]
+    for reg in 0..cfg.score_regs() {
+        scores[reg] = select(hidden[reg], fill, scores[reg]);
     }
 }
 
@@ -210,16 +248,15 @@ pub fn add_bias<E: Float, T: AttentionTile<E>>(
     }
 }
 
-/// Two stages of a staged score input's blocks of `rows` rows, if `chunk` (its elements per 16
-/// bytes) says it is staged.
+/// Two stages of a staged score input's blocks of `len` elements, if `chunk` (its elements per
+/// 16 bytes) says it is staged.
 #[cube]
 pub fn input_stages<N: CubePrimitive>(
     #[comptime] chunk: Option<usize>,
-    #[comptime] rows: usize,
-    #[comptime] cfg: TileConfig,
+    #[comptime] len: usize,
 ) -> ComptimeOption<SharedMemory<N>> {
     if comptime!(chunk.is_some()) {
-        let len = comptime!(2 * rows * cfg.block_kv);
+        let len = comptime!(2 * len);
         ComptimeOption::new_Some(SharedMemory::<N>::new_aligned(len, 16usize))
     } else {
         ComptimeOption::new_None()
@@ -247,11 +284,15 @@ pub fn fetch_inputs<E: Float, M: Int>(
         #[comptime]
         if let ComptimeOption::Some(mask) = mask {
             let chunk = comptime!(cfg.staged.mask.unwrap());
-            let rows = comptime!(cfg.mask_rows());
-            let base = stage * comptime!(rows * cfg.block_kv);
-            copy_input_async::<M>(
-                mask, views.mask, band, q_start, kv_start, stages, base, rows, chunk, cfg,
-            );
+            let base = stage * comptime!(cfg.mask_stage_len());
+            if comptime!(cfg.mask.packed) {
+                copy_packed_async::<M>(mask, views.mask, q_start, kv_start, stages, base, cfg);
+            } else {
+                let rows = comptime!(cfg.mask_rows());
+                copy_input_async::<M>(
+                    mask, views.mask, band, q_start, kv_start, stages, base, rows, chunk, cfg,
+                );
+            }
         }
     }
     #[comptime]

@@ -13,6 +13,7 @@ use cubecl::tensor_vector_size_parallel;
 use super::TilePath;
 use super::config::{ScoreParams, Staged, TileConfig};
 use super::forward::flash_forward;
+use super::pack::pack_mask;
 use super::tile::{MmaTile, PortableTile};
 
 /// Largest head dim the portable tile unrolls (its query and output rows live in registers).
@@ -181,7 +182,7 @@ pub fn forward<R: CubeRuntime>(
     }
 
     let cfg = forward_config(tile, head_dim, value_dim).with_scores(&params);
-    let cfg = cfg.with_staged(staging(&client, &cfg, &inputs, q.dtype));
+    let (cfg, inputs) = stage_inputs(&client, cfg, inputs, q.dtype);
     let cube_dim = cube_dim(&cfg);
     let cube_count = CubeCount::Static(
         seq_q.div_ceil(cfg.block_q) as u32,
@@ -253,12 +254,41 @@ pub fn forward<R: CubeRuntime>(
     (out, lse)
 }
 
-/// The score inputs the tensor-core forward stages in shared memory ([`Staged`]): a mask and a
-/// bias whose rows are whole 16-byte chunks (`seq_k` a multiple of the chunk: every
-/// stride of a contiguous input is a multiple of `seq_k`, and buffers start aligned), a bias
-/// only where a block's row fills whole 128-byte lines (its `ldmatrix` swizzle), as many of
-/// them as the device's shared memory holds beside the K/V stages (the mask first, the smaller).
-/// The others are read in place. `BURN_FLASH_STAGE_INPUTS=0` reads both in place (tuning runs).
+/// `cfg` with the score inputs it stages, and the inputs as the forward reads them: a per-pair
+/// mask packed into bits ([`pack`](super::pack)) where the tensor-core forward stages it.
+fn stage_inputs<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    cfg: TileConfig,
+    inputs: ScoreInputs<R>,
+    dtype: DType,
+) -> (TileConfig, ScoreInputs<R>) {
+    let packs = cfg.tile == TilePath::TensorCore
+        && cfg.mask.tensor
+        && !cfg.mask.per_key
+        && cfg.block_kv.is_multiple_of(32);
+    if packs {
+        let packed_cfg = cfg.with_packed_mask(true);
+        let staged = staging(client, &packed_cfg, &inputs, dtype);
+        if staged.mask.is_some() {
+            let mask = inputs
+                .mask
+                .as_ref()
+                .map(|mask| pack_mask(mask, cfg.block_q, cfg.block_kv));
+            let inputs = ScoreInputs { mask, ..inputs };
+            return (packed_cfg.with_staged(staged), inputs);
+        }
+    }
+    let staged = staging(client, &cfg, &inputs, dtype);
+    (cfg.with_staged(staged), inputs)
+}
+
+/// The score inputs the tensor-core forward stages in shared memory ([`Staged`]): a packed mask
+/// (always whole 16-byte chunks), an unpacked mask and a bias whose rows are whole 16-byte chunks
+/// (`seq_k` a multiple of the chunk: every stride of a contiguous input is a multiple of
+/// `seq_k`, and buffers start aligned), a bias only where a block's row fills whole 128-byte
+/// lines (its `ldmatrix` swizzle), as many of them as the device's shared memory holds beside
+/// the K/V stages (the mask first, the smaller). The others are read in place.
+/// `BURN_FLASH_STAGE_INPUTS=0` reads both in place (tuning runs).
 fn staging<R: CubeRuntime>(
     client: &ComputeClient<R>,
     cfg: &TileConfig,
@@ -277,7 +307,11 @@ fn staging<R: CubeRuntime>(
         let seq_k = input.meta.shape()[3];
         (seq_k.is_multiple_of(chunk) && cfg.block_kv.is_multiple_of(chunk)).then_some(chunk)
     };
-    let mask = chunk(&inputs.mask);
+    let mask = if cfg.mask.packed {
+        inputs.mask.as_ref().map(|_| 16 / DType::U32.size())
+    } else {
+        chunk(&inputs.mask)
+    };
     let bias = chunk(&inputs.bias).filter(|&chunk| (cfg.block_kv / chunk).is_multiple_of(8));
     [
         Staged { mask, bias },

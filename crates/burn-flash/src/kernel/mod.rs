@@ -8,6 +8,7 @@ mod forward;
 mod inputs;
 mod launch;
 mod mask;
+mod pack;
 mod softmax;
 mod stage;
 mod tile;

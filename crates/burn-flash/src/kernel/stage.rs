@@ -268,6 +268,37 @@ pub fn copy_input_async<N: CubePrimitive>(
     }
 }
 
+/// Issue asynchronous copies of the packed mask's words ([`pack`](super::pack)) for the queries
+/// from `q_start` and the keys from `kv_start` (one KV block, `at` the view of this (batch,
+/// head) whose row stride steps KV blocks) into `stage[stage_base..]`: a contiguous run of
+/// `cfg.mask_stage_len()` words, 4 per 16-byte copy, in bounds for every query block.
+#[cube]
+pub fn copy_packed_async<M: Int>(
+    packed: &Tensor<M>,
+    at: Broadcast,
+    q_start: usize,
+    kv_start: usize,
+    stage: &mut SharedMemory<M>,
+    stage_base: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    let chunks = comptime!(cfg.mask_stage_len() / 4);
+    let units = comptime!(cfg.units());
+    let src = at.base + kv_start / cfg.block_kv * at.row_stride + q_start * cfg.packed_words();
+    #[unroll]
+    for pass in 0..comptime!(chunks.div_ceil(units)) {
+        let id = comptime!(pass * units) + UNIT_POS as usize;
+        if comptime!(chunks.is_multiple_of(units)) || id < chunks {
+            let offset = id * 4;
+            copy_async_checked(
+                &packed.slice(src + offset, src + offset + 4),
+                &mut stage.slice_mut(stage_base + offset, stage_base + offset + 4),
+                4u32,
+            );
+        }
+    }
+}
+
 /// One barrier per stage of a double buffer; a stage's copies complete on its barrier.
 #[derive(CubeType)]
 pub struct StageBarriers {

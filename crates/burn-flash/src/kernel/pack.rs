@@ -1,0 +1,172 @@
+//! A per-pair boolean mask packed into bits for the tensor-core forward. Read as integers, the
+//! mask costs the forward a shared-memory load per score; packed, one 32-bit word serves 32
+//! keys of a row, and a staged block shrinks eightfold.
+//!
+//! Layout, `[b|1, h|1, blocks, rows · words]` u32: `words = block_kv / 32` words per query row
+//! of each KV block, bit `j % 32` of word `j / 32` set where the mask hides key `j` of the block
+//! (keys past `seq_k` set too). The words of one KV block are contiguous over the query rows, so
+//! a query block's are a contiguous run that 16-byte copies stage; `rows` is `seq_q` rounded up
+//! to whole query blocks (the extra rows are zero, never used).
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
+use cubecl::prelude::*;
+
+use super::launch::vector_width;
+
+/// One unit per packed word; consecutive units take consecutive words of a query row, so a
+/// plane reads a row's mask contiguously, `N` elements per load.
+#[cube(launch_unchecked, address_type = "dynamic")]
+fn pack_mask_kernel<M: Int, N: Size>(
+    mask: &Tensor<Vector<M, N>>,
+    packed: &mut Tensor<u32>,
+    #[comptime] words: usize,
+    #[define(M)] _dtype: StorageType,
+) {
+    let width = mask.vector_size();
+    if ABSOLUTE_POS < packed.len() {
+        let row_words = packed.shape(2) * words;
+        let rows = packed.shape(3) / words;
+        let word = ABSOLUTE_POS % row_words;
+        let row = ABSOLUTE_POS / row_words % rows;
+        let plane = ABSOLUTE_POS / (row_words * rows);
+        let (batch, head) = (plane / packed.shape(1), plane % packed.shape(1));
+        let (seq_q, seq_k) = (mask.shape(2), mask.shape(3));
+
+        let mut bits = 0u32;
+        if row < seq_q {
+            let base = batch * mask.stride(0) + head * mask.stride(1) + row * mask.stride(2);
+            #[unroll]
+            for part in 0..comptime!(32 / width) {
+                let key = word * 32 + part * width;
+                // `seq_k` is a multiple of the vector width: a vector is wholly in or out.
+                if key < seq_k {
+                    let values = mask[(base + key) / width];
+                    #[unroll]
+                    for e in 0..width {
+                        let hidden = u32::cast_from(values[e] & M::new(1));
+                        bits |= hidden << comptime!((part * width + e) as u32);
+                    }
+                } else {
+                    bits |=
+                        comptime!(((1u64 << width) - 1) as u32) << comptime!((part * width) as u32);
+                }
+            }
+        }
+        let at = batch * packed.stride(0)
+            + head * packed.stride(1)
+            + word / words * packed.stride(2)
+            + row * words
+            + word % words;
+        packed[at] = bits;
+    }
+}
+
+/// `mask` (`[b|1, h|1, seq_q, seq_k]` contiguous integers, bit 0 set where hidden) packed for a
+/// forward of `block_q`-row query blocks over `block_kv`-key blocks (a multiple of 32).
+pub(crate) fn pack_mask<R: CubeRuntime>(
+    mask: &CubeTensor<R>,
+    block_q: usize,
+    block_kv: usize,
+) -> CubeTensor<R> {
+    let dims = mask.meta.shape().clone();
+    let (seq_q, seq_k) = (dims[2], dims[3]);
+    let words = block_kv / 32;
+    let shape = Shape::new([
+        dims[0],
+        dims[1],
+        seq_k.div_ceil(block_kv),
+        seq_q.div_ceil(block_q) * block_q * words,
+    ]);
+    let packed =
+        empty_device_contiguous_dtype(mask.client.clone(), mask.device.clone(), shape, DType::U32);
+    let units = packed.meta.num_elements();
+    if units == 0 {
+        return packed;
+    }
+    let width = vector_width(&[mask]).min(32);
+    let cube_dim = CubeDim::new_1d(256);
+    let address = [mask, &packed]
+        .iter()
+        .map(|t| t.required_address_type())
+        .max()
+        .unwrap_or_default();
+    // SAFETY: one unit per packed word, guarded by its length; the mask is read only at rows
+    // below `seq_q` and keys below `seq_k`, a whole vector at a time (the width divides `seq_k`).
+    unsafe {
+        pack_mask_kernel::launch_unchecked(
+            &mask.client,
+            cubecl::calculate_cube_count_elemwise(&mask.client, units, cube_dim),
+            cube_dim,
+            address,
+            width,
+            mask.clone().into_tensor_arg(),
+            packed.clone().into_tensor_arg(),
+            words,
+            mask.dtype.into(),
+        );
+    }
+    packed
+}
+
+#[cfg(test)]
+mod tests {
+    //! The packing kernel on the bare wgpu backend (lavapipe in CI), against the bits computed
+    //! here from the mask's values.
+    use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
+    use burn::tensor::{Distribution, Int, Tensor};
+    use burn_cubecl::CubeBackend;
+
+    use crate::kernel::ScoreInputs;
+
+    type B = CubeBackend<WgpuRuntime, f32, i32, u32>;
+
+    #[test]
+    fn packs_a_bit_per_pair_by_kv_block() {
+        let device = WgpuDevice::default();
+        // (mask dims, block_q, block_kv): keys past a block's end, odd key counts (one element
+        // per load) and multiples of 4 (vectors), rows past the last query block, broadcasts.
+        for &(dims, block_q, block_kv) in &[
+            ([2usize, 1, 70, 100], 32usize, 64usize),
+            ([1, 3, 5, 33], 16, 32),
+            ([1, 1, 128, 64], 128, 64),
+            ([2, 2, 9, 256], 128, 128),
+        ] {
+            let uniform = Tensor::<B, 4>::random(dims, Distribution::Uniform(0.0, 1.0), &device);
+            let values: Vec<bool> = uniform.to_data().iter::<f32>().map(|u| u < 0.3).collect();
+            let mask = uniform.lower_elem(0.3);
+            let inputs = ScoreInputs::new(Some(mask.into_primitive()), None);
+            let packed = super::pack_mask(inputs.mask.as_ref().unwrap(), block_q, block_kv);
+            let packed_dims = packed.meta.shape().clone();
+            let got = Tensor::<B, 4, Int>::from_primitive(packed)
+                .to_data()
+                .convert::<u32>()
+                .to_vec::<u32>()
+                .unwrap();
+
+            let [b, h, sq, sk] = dims;
+            let (words, blocks) = (block_kv / 32, sk.div_ceil(block_kv));
+            let rows = sq.div_ceil(block_q) * block_q;
+            assert_eq!(packed_dims[..], [b, h, blocks, rows * words]);
+            let mut expected = Vec::with_capacity(got.len());
+            for plane in 0..b * h {
+                for block in 0..blocks {
+                    for row in 0..rows {
+                        for word in 0..words {
+                            let mut bits = 0u32;
+                            for bit in 0..32 {
+                                let key = block * block_kv + word * 32 + bit;
+                                let hidden = row < sq
+                                    && (key >= sk || values[(plane * sq + row) * sk + key]);
+                                bits |= u32::from(hidden) << bit;
+                            }
+                            expected.push(bits);
+                        }
+                    }
+                }
+            }
+            assert_eq!(got, expected, "mask {dims:?}, blocks {block_q}×{block_kv}");
+        }
+    }
+}
