@@ -60,7 +60,7 @@ use burn_flash::{
 const USAGE: &str = "\
 usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
                  [--causal both|true|false] [--window LEFT] [--softcap CAP]
-                 [--mask keypad|full] [--bias heads] [--dropout P] [--alibi] [--atomic-dq]
+                 [--mask keypad|full|docs] [--bias heads] [--dropout P] [--alibi] [--atomic-dq]
                  [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
                  [--backend auto|cuda|cuda-bare|wgpu] [--iters N] [--warmup N] [--sets N]
                  [--budget-ms MS] [--row-seconds S] [--modes fwd,fwdbwd] [--memory]
@@ -73,8 +73,10 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
            rows are named burn-flash-swaLEFT, their TFLOPS count the visible pairs exactly).
 --softcap: scores pass through CAP·tanh(s / CAP) (burn-flash only; rows burn-flash-capCAP).
 --mask:    a boolean mask: keypad, the last eighth of every sequence's keys padded ([b, n]);
-           full, a random mask per sequence ([b, 1, n, n], 10 % hidden). Rows IMPL-keypad or
-           IMPL-mask; Burn's peers get it expanded to [b, h, n, n]. TFLOPS count all n² pairs.
+           full, a random mask per sequence ([b, 1, n, n], 10 % hidden); docs, documents of
+           1024 tokens packed into each sequence, each query seeing its own document's keys
+           ([b, 1, n, n]). Rows IMPL-keypad, IMPL-mask or IMPL-docs; Burn's peers get it
+           expanded to [b, h, n, n]. TFLOPS count all n² pairs.
 --bias:    heads, an additive bias per head ([1, h, n, n], as a relative-position bias), with
            its gradient in fwdbwd. Rows IMPL-bias; Burn's peers get it expanded.
 --dropout: attention dropout of probability P (burn-flash only; rows burn-flash-dropP).
@@ -200,8 +202,8 @@ fn parse_args() -> Args {
             "--softcap" => args.softcap = Some(number(&value)),
             "--dropout" => args.dropout = Some(number(&value)),
             "--mask" => {
-                if !matches!(value.as_str(), "keypad" | "full") {
-                    fail("--mask takes keypad or full");
+                if !matches!(value.as_str(), "keypad" | "full" | "docs") {
+                    fail("--mask takes keypad, full or docs");
                 }
                 args.mask = Some(value);
             }
@@ -347,6 +349,17 @@ impl<B: FlashAttentionBackend> Set<B> {
                     keys.greater_equal_elem((n - n / 8) as i64)
                         .unsqueeze::<2>()
                         .repeat_dim(0, b),
+                )
+            }
+            "docs" => {
+                let document =
+                    Tensor::<B, 1, burn::tensor::Int>::arange(0..n as i64, device).div_scalar(1024);
+                let rows = document.clone().reshape([n, 1]).expand([n, n]);
+                let cols = document.reshape([1, n]).expand([n, n]);
+                AttentionMask::Full(
+                    rows.not_equal(cols)
+                        .reshape([1, 1, n, n])
+                        .expand([b, 1, n, n]),
                 )
             }
             _ => AttentionMask::Full(
@@ -553,6 +566,7 @@ fn run<B: FlashAttentionBackend>(
                     // Masks and biases all take.
                     match args.mask.as_deref() {
                         Some("keypad") => variant += "-keypad",
+                        Some("docs") => variant += "-docs",
                         Some(_) => variant += "-mask",
                         None => {}
                     }

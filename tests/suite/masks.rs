@@ -31,6 +31,10 @@ pub enum MaskInput {
     /// A random mask (30 % hidden, and query row 1 all hidden when the mask has rows) of these
     /// dims, 1 broadcasting.
     Full([usize; 4]),
+    /// `[batch, 1, seq_q, seq_k]` documents: query `i` sees key `j` when `i · seq_k / seq_q`
+    /// and `j` fall in the same run of this many keys (runs start at different keys per
+    /// batch), so whole blocks are hidden and whole blocks visible.
+    Documents(usize),
 }
 
 /// The bias input of a case: standard normal values times 2 of these dims (1 broadcasting),
@@ -133,6 +137,18 @@ fn mask_values(case: &Case, seed: u64) -> Option<([usize; 4], Vec<bool>)> {
                 .map(|n| {
                     let pads = [0, p.seq_k / 3, p.seq_k][(n / p.seq_k) % 3];
                     n % p.seq_k >= p.seq_k - pads
+                })
+                .collect();
+            Some((dims, values))
+        }
+        MaskInput::Documents(run) => {
+            let dims = [p.batch, 1, p.seq_q, p.seq_k];
+            let values = (0..p.batch * p.seq_q * p.seq_k)
+                .map(|n| {
+                    let (batch, i, j) =
+                        (n / (p.seq_q * p.seq_k), n / p.seq_k % p.seq_q, n % p.seq_k);
+                    let shift = batch * run / 3;
+                    (i * p.seq_k / p.seq_q + shift) / run != (j + shift) / run
                 })
                 .collect();
             Some((dims, values))
@@ -406,8 +422,8 @@ mod wgpu {
     // at head dim 16) over several shapes and broadcasts: on a fresh CI machine lavapipe
     // compiles each configuration's kernels for tens of seconds, shapes are free.
 
-    /// Key padding (one sequence padded entirely), full and broadcast masks, with GQA; decode
-    /// (`seq_q = 1`).
+    /// Key padding (one sequence padded entirely), full and broadcast masks, documents, with
+    /// GQA; decode (`seq_q = 1`).
     #[test]
     fn boolean_masks() {
         let none = Spec::from(false);
@@ -429,6 +445,12 @@ mod wgpu {
                     Problem::square(2, 2, 40, 16),
                     none,
                     MaskInput::Full([2, 2, 40, 40]),
+                    None,
+                ),
+                Case::new(
+                    Problem::cross(2, 2, 30, 45, 16),
+                    Spec::from(true),
+                    MaskInput::Documents(12),
                     None,
                 ),
                 Case::new(
@@ -983,6 +1005,20 @@ mod cuda {
                 // The tensor-core forward packs per-pair masks into bits: the last KV block and
                 // query block cross the sequences' ends, an odd key count reads the mask an
                 // element at a time.
+                // Documents: planes skip the blocks the mask hides wholly, and select nothing
+                // in the blocks it hides nowhere.
+                Case::new(
+                    Problem::square(3, 2, 400, 64),
+                    Spec::from(false),
+                    MaskInput::Documents(96),
+                    None,
+                ),
+                Case::new(
+                    Problem::cross(2, 2, 300, 520, 128),
+                    Spec::from(true),
+                    MaskInput::Documents(150),
+                    None,
+                ),
                 Case::new(
                     Problem::cross(2, 3, 70, 333, 64),
                     Spec::from(true),

@@ -305,6 +305,19 @@ impl TileConfig {
         }
     }
 
+    /// Column of score register `reg` past the unit's first (register 0's) in the forward: the
+    /// tensor-core accumulator holds columns 8t + 2·(lane % 4) and the next of n-tile `t`, a
+    /// portable unit column `reg` of its row.
+    pub fn score_col_step(&self, reg: usize) -> usize {
+        match self.tile {
+            TilePath::TensorCore => {
+                let local = reg % self.score_regs_per_m_tile();
+                local / 4 * MMA_N + local % 2
+            }
+            TilePath::Portable => reg,
+        }
+    }
+
     /// Score registers of one m16 block (tensor-core tile).
     fn score_regs_per_m_tile(&self) -> usize {
         self.score_cols() / MMA_N * 4
@@ -571,5 +584,17 @@ mod tests {
         assert!(!TileConfig::tensor_core(128, 128, 3, 32, 64).can_split(2));
         assert!(!TileConfig::portable(128, 128).can_split(2));
         assert!(TileConfig::portable(128, 128).can_split(1));
+    }
+
+    /// A score register's column past the unit's first: n-tile by n-tile, each pair of
+    /// neighbouring columns twice (rows g and g + 8), the same in every m16 block.
+    #[test]
+    fn score_columns_step_by_n_tile() {
+        let cfg = TileConfig::tensor_core(64, 64, 4, 32, 64);
+        let steps: Vec<usize> = (0..12).map(|reg| cfg.score_col_step(reg)).collect();
+        assert_eq!(steps, [0, 1, 0, 1, 8, 9, 8, 9, 16, 17, 16, 17]);
+        assert_eq!(cfg.score_col_step(31), 57);
+        assert_eq!(cfg.score_col_step(32), 0);
+        assert_eq!(TileConfig::portable(64, 64).score_col_step(5), 5);
     }
 }

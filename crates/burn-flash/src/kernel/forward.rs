@@ -11,7 +11,10 @@ use cubecl::prelude::*;
 use super::TilePath;
 use super::config::TileConfig;
 use super::dropout::{Dropout, keep_mask};
-use super::inputs::{Views, add_bias, alibi_slope, fetch_inputs, input_stages};
+use super::inputs::{
+    Views, add_bias, alibi_slope, block_visible, fetch_inputs, hidden_row, hide_packed,
+    input_stages, packed_block,
+};
 use super::mask::{Band, apply_mask, kv_blocks};
 use super::softmax::{RowStats, Softcap, finish, init_stats, online_update, softcap_scores};
 use super::stage::{StageBarriers, fetch_stage, load_block};
@@ -28,6 +31,8 @@ struct Coords {
     softcap: Softcap,
     /// Where this (batch, head) reads the mask and bias inputs.
     views: Views,
+    /// Where this query block's row of the packed mask's hidden-block flags starts.
+    hidden_row: usize,
     dropout: Dropout,
     /// Dropout's key of this (batch, head).
     head_key: u32,
@@ -49,6 +54,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     k: &Tensor<E>,
     v: &Tensor<E>,
     mask: &ComptimeOption<Tensor<M>>,
+    hidden_blocks: &ComptimeOption<Tensor<u32>>,
     bias: &ComptimeOption<Tensor<E>>,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
@@ -82,6 +88,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         band: Band::new(q, k, band_left, band_right),
         softcap: Softcap::new(scale, softcap),
         views: Views::new::<E, M>(mask, bias, batch, head),
+        hidden_row: hidden_row(hidden_blocks, batch, head, CUBE_POS_X as usize),
         dropout,
         head_key: dropout.head_key(batch, head),
         alibi: alibi_slope(head, alibi_pow2) / scale,
@@ -106,7 +113,19 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     let (first, end) = kv_blocks(coords.band, coords.q_start, cfg);
     let mut query = if comptime!(cfg.tile == TilePath::TensorCore) {
         kv_loop_pipelined::<E, M, T>(
-            q, k, v, mask, bias, coords, first, end, scale, &mut stats, &mut acc, cfg,
+            q,
+            k,
+            v,
+            mask,
+            hidden_blocks,
+            bias,
+            coords,
+            first,
+            end,
+            scale,
+            &mut stats,
+            &mut acc,
+            cfg,
         )
     } else {
         kv_loop::<E, M, T>(
@@ -181,68 +200,78 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     acc: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
 ) {
-    let mut scores = T::scores(query, keys, stage * cfg.block_kv * cfg.head_stride(), cfg);
-    if comptime!(cfg.softcap) {
-        softcap_scores(
+    let packed = packed_block::<E, M, T>(mask_stages, stage * comptime!(cfg.mask_stage_len()), cfg);
+    // A plane whose rows the mask hides from every key of the block skips it: its probabilities
+    // would all be 0, and its running statistics stay as they are.
+    if !packed.all_hidden {
+        let mut scores = T::scores(query, keys, stage * cfg.block_kv * cfg.head_stride(), cfg);
+        if comptime!(cfg.softcap) {
+            softcap_scores(
+                &mut scores,
+                coords.softcap,
+                cfg.score_regs(),
+                cfg.softcap_outer_in_scale(),
+            );
+        }
+        add_bias::<E, T>(
             &mut scores,
-            coords.softcap,
-            cfg.score_regs(),
-            cfg.softcap_outer_in_scale(),
-        );
-    }
-    add_bias::<E, T>(
-        &mut scores,
-        bias,
-        bias_stages,
-        stage * comptime!(cfg.block_q * cfg.block_kv),
-        coords.views.bias,
-        coords.band,
-        coords.q_start,
-        kv_start,
-        coords.inv_scale,
-        coords.alibi,
-        false,
-        cfg,
-    );
-    apply_mask::<E, M, T>(
-        &mut scores,
-        mask,
-        mask_stages,
-        stage * comptime!(cfg.mask_stage_len()),
-        coords.views.mask,
-        coords.band,
-        coords.q_start,
-        kv_start,
-        coords.neg_inf,
-        cfg,
-    );
-    online_update::<E, T>(&mut scores, stats, acc, scale, coords.neg_inf, cfg);
-    if comptime!(cfg.dropout) {
-        let keep = keep_mask::<E, T>(
-            &coords.dropout,
-            coords.head_key,
+            bias,
+            bias_stages,
+            stage * comptime!(cfg.block_q * cfg.block_kv),
+            coords.views.bias,
+            coords.band,
             coords.q_start,
             kv_start,
+            coords.inv_scale,
+            coords.alibi,
             false,
             cfg,
         );
-        #[unroll]
-        for reg in 0..cfg.score_regs() {
-            scores[reg] = select(keep[reg], scores[reg], 0.0);
+        apply_mask::<E, M, T>(
+            &mut scores,
+            mask,
+            mask_stages,
+            stage * comptime!(cfg.mask_stage_len()),
+            coords.views.mask,
+            coords.band,
+            coords.q_start,
+            kv_start,
+            coords.neg_inf,
+            cfg,
+        );
+        if comptime!(cfg.mask.packed) {
+            hide_packed::<E, T>(&mut scores, &packed, coords.neg_inf, cfg);
         }
+        online_update::<E, T>(&mut scores, stats, acc, scale, coords.neg_inf, cfg);
+        if comptime!(cfg.dropout) {
+            let keep = keep_mask::<E, T>(
+                &coords.dropout,
+                coords.head_key,
+                coords.q_start,
+                kv_start,
+                false,
+                cfg,
+            );
+            #[unroll]
+            for reg in 0..cfg.score_regs() {
+                scores[reg] = select(keep[reg], scores[reg], 0.0);
+            }
+        }
+        T::accumulate(
+            &scores,
+            values,
+            stage * cfg.block_kv * cfg.value_stride(),
+            acc,
+            cfg,
+        );
     }
-    T::accumulate(
-        &scores,
-        values,
-        stage * cfg.block_kv * cfg.value_stride(),
-        acc,
-        cfg,
-    );
 }
 
 /// Blocks `[first, end)` through two shared-memory stages filled by asynchronous copies: block
 /// `j + 1` (with its staged mask and bias blocks) is in flight while block `j` is computed. The
 /// query block loads while the first KV block is in flight; it is returned for the epilogue.
+/// Blocks a packed mask hides wholly from the query block are neither fetched nor computed;
+/// their iterations only keep the stages' barriers in step.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
@@ -250,6 +279,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     k: &Tensor<E>,
     v: &Tensor<E>,
     mask: &ComptimeOption<Tensor<M>>,
+    hidden_blocks: &ComptimeOption<Tensor<u32>>,
     bias: &ComptimeOption<Tensor<E>>,
     coords: Coords,
     first: usize,
@@ -268,7 +298,10 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     let barriers = StageBarriers::new();
     sync_cube();
 
-    if first < end {
+    let row = coords.hidden_row;
+    // `block_visible` only for blocks in range: the kernel's `&&` evaluates both sides.
+    let fetch_first = first < end && block_visible(hidden_blocks, row, min(first, end - 1));
+    if fetch_first {
         fetch_block::<E, M>(
             k,
             v,
@@ -289,7 +322,8 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     for block in first..end {
         let stage = (block - first) % 2;
         barriers.wait(stage);
-        if block + 1 < end {
+        let next = min(block + 1, end - 1);
+        if block + 1 < end && block_visible(hidden_blocks, row, next) {
             fetch_block::<E, M>(
                 k,
                 v,
@@ -306,22 +340,24 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
                 cfg,
             );
         }
-        attend_block::<E, M, T>(
-            &query,
-            mask,
-            bias,
-            &mask_stages,
-            &bias_stages,
-            &keys,
-            &values,
-            stage,
-            block * cfg.block_kv,
-            coords,
-            scale,
-            stats,
-            acc,
-            cfg,
-        );
+        if block_visible(hidden_blocks, row, block) {
+            attend_block::<E, M, T>(
+                &query,
+                mask,
+                bias,
+                &mask_stages,
+                &bias_stages,
+                &keys,
+                &values,
+                stage,
+                block * cfg.block_kv,
+                coords,
+                scale,
+                stats,
+                acc,
+                cfg,
+            );
+        }
     }
     query
 }

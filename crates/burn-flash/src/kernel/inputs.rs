@@ -106,9 +106,7 @@ pub fn hide_staged<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
 ) {
     let chunk = comptime!(cfg.staged.mask.unwrap());
-    if comptime!(cfg.mask.packed) {
-        hide_packed::<E, M, T>(scores, stages, staged_base, fill, cfg);
-    } else if comptime!(cfg.mask.per_key) {
+    if comptime!(cfg.mask.per_key) {
         let mut hidden = Array::<bool>::new(cfg.score_regs());
         let mut any_hidden = false;
         #[unroll]
@@ -145,38 +143,123 @@ pub fn hide_staged<E: Float, M: Int, T: AttentionTile<E>>(
     }
 }
 
-/// [`hide_staged`] for a packed mask block ([`pack`](super::pack): `cfg.packed_words()` words
-/// per query row). A unit's scores of one row sit at its first column plus a constant per
-/// register, and that first column is below 8 with every register's constant at most one past a
-/// multiple of 8 (both tiles' layouts): shifting a word right by the first column once leaves
-/// each score's bit at its register's constant, one bit test per score. Loads first, then the
-/// selects, as unpacked.
+/// Where the row of query block `q_block` of (batch, head) starts in a packed mask's
+/// hidden-block flags ([`pack`](super::pack)), if there are any (0 otherwise).
 #[cube]
-fn hide_packed<E: Float, M: Int, T: AttentionTile<E>>(
-    scores: &mut Array<f32>,
-    stages: &SharedMemory<M>,
+pub fn hidden_row(
+    hidden_blocks: &ComptimeOption<Tensor<u32>>,
+    batch: usize,
+    head: usize,
+    q_block: usize,
+) -> usize {
+    let mut row = 0usize;
+    #[comptime]
+    if let ComptimeOption::Some(flags) = hidden_blocks {
+        row = broadcast::<u32>(flags, batch, head).base + q_block * flags.stride(2);
+    }
+    row
+}
+
+/// Whether KV block `block` holds a pair the query block of `row` ([`hidden_row`]) sees by
+/// its packed mask; always without one.
+#[cube]
+pub fn block_visible(
+    hidden_blocks: &ComptimeOption<Tensor<u32>>,
+    row: usize,
+    block: usize,
+) -> bool {
+    let mut visible = true;
+    #[comptime]
+    if let ComptimeOption::Some(flags) = hidden_blocks {
+        visible = flags[row + block] == 0u32;
+    }
+    visible
+}
+
+/// One KV block of a packed mask ([`pack`](super::pack)) as a unit holds it: the words of its
+/// rows (`cfg.packed_words()` per row slot, as staged), and whether its plane's rows hide any
+/// pair of the block, or every pair.
+#[derive(CubeType)]
+pub struct PackedBlock {
+    words: Array<u32>,
+    pub any_hidden: bool,
+    pub all_hidden: bool,
+}
+
+/// The packed mask block staged at `staged_base` in `stages`, where the launch packs its mask;
+/// else a placeholder that hides nothing.
+#[cube]
+pub fn packed_block<E: Float, M: Int, T: AttentionTile<E>>(
+    stages: &ComptimeOption<SharedMemory<M>>,
     staged_base: usize,
+    #[comptime] cfg: TileConfig,
+) -> PackedBlock {
+    let per_row = comptime!(cfg.packed_words());
+    let len = comptime!(if cfg.mask.packed {
+        cfg.rows_per_unit() * per_row
+    } else {
+        1
+    });
+    let mut words = Array::<u32>::new(len);
+    let mut any_hidden = false;
+    let mut all_hidden = false;
+    if comptime!(cfg.mask.packed) {
+        #[comptime]
+        if let ComptimeOption::Some(stages) = stages {
+            // Each slot's row is the first's plus a constant: an immediate offset.
+            let first_row = T::slot_row(0usize, cfg);
+            let first = smem_anchor(staged_base + first_row * per_row);
+            let mut any = 0u32;
+            let mut all = 0xFFFF_FFFFu32;
+            #[unroll]
+            for slot in 0..cfg.rows_per_unit() {
+                let row_step = T::slot_row(slot, cfg) - first_row;
+                #[unroll]
+                for w in 0..per_row {
+                    let word = u32::cast_from(stages[first + row_step * per_row + w]);
+                    words[comptime!(slot * per_row + w)] = word;
+                    any |= word;
+                    all &= word;
+                }
+            }
+            any_hidden = T::any_unit(any != 0u32);
+            all_hidden = !T::any_unit(all != 0xFFFF_FFFFu32);
+        }
+    }
+    PackedBlock {
+        words,
+        any_hidden,
+        all_hidden,
+    }
+}
+
+/// Set the scores of the pairs `block` hides to `fill`; nothing to do where its plane's rows
+/// hide none. A unit's scores of one row sit at its first column plus a compile-time step
+/// ([`TileConfig::score_col_step`]), the first column below 8 and every step at most one past
+/// a multiple of 8: shifting a word right by the first column once leaves each score's bit at
+/// its step, one constant bit test per score.
+#[cube]
+pub fn hide_packed<E: Float, T: AttentionTile<E>>(
+    scores: &mut Array<f32>,
+    block: &PackedBlock,
     fill: f32,
     #[comptime] cfg: TileConfig,
 ) {
-    let words = comptime!(cfg.packed_words());
-    let (first_row, first_col) = T::score_position(0usize, cfg);
-    let lane_shift = u32::cast_from(first_col);
-    // Each register's word is this unit's first plus a constant: an immediate offset.
-    let first_word = smem_anchor(staged_base + first_row * words);
-    let mut hidden = Array::<bool>::new(cfg.score_regs());
-    #[unroll]
-    for reg in 0..cfg.score_regs() {
-        let (row, col) = T::score_position(reg, cfg);
-        // Steps from the unit's first score: the compiler folds the lane's part away.
-        let step = col - first_col;
-        let word_step = (row - first_row) * words + step / 32;
-        let word = u32::cast_from(stages[first_word + word_step]) >> lane_shift;
-        hidden[reg] = ((word >> u32::cast_from(step % 32)) & 1u32) != 0u32;
-    }
-    #[unroll]
-    for reg in 0..cfg.score_regs() {
-        scores[reg] = select(hidden[reg], fill, scores[reg]);
+    if block.any_hidden {
+        let per_row = comptime!(cfg.packed_words());
+        let (_row, first_col) = T::score_position(0usize, cfg);
+        let lane_shift = u32::cast_from(first_col);
+        let mut hidden = Array::<bool>::new(cfg.score_regs());
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let step = comptime!(cfg.score_col_step(reg));
+            let word = block.words[comptime!(cfg.score_slot(reg) * per_row + step / 32)];
+            hidden[reg] = ((word >> lane_shift) & comptime!(1u32 << (step % 32))) != 0u32;
+        }
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            scores[reg] = select(hidden[reg], fill, scores[reg]);
+        }
     }
 }
 

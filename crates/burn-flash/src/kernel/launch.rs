@@ -182,7 +182,7 @@ pub fn forward<R: CubeRuntime>(
     }
 
     let cfg = forward_config(tile, head_dim, value_dim).with_scores(&params);
-    let (cfg, inputs) = stage_inputs(&client, cfg, inputs, q.dtype);
+    let (cfg, inputs, hidden_blocks) = stage_inputs(&client, cfg, inputs, q.dtype);
     let cube_dim = cube_dim(&cfg);
     let cube_count = CubeCount::Static(
         seq_q.div_ceil(cfg.block_q) as u32,
@@ -210,6 +210,10 @@ pub fn forward<R: CubeRuntime>(
                 k.into_tensor_arg(),
                 v.into_tensor_arg(),
                 inputs.mask_arg().into(),
+                hidden_blocks
+                    .clone()
+                    .map(CubeTensor::into_tensor_arg)
+                    .into(),
                 inputs.bias_arg().into(),
                 out.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
@@ -234,6 +238,10 @@ pub fn forward<R: CubeRuntime>(
                 k.into_tensor_arg(),
                 v.into_tensor_arg(),
                 inputs.mask_arg().into(),
+                hidden_blocks
+                    .clone()
+                    .map(CubeTensor::into_tensor_arg)
+                    .into(),
                 inputs.bias_arg().into(),
                 out.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
@@ -255,13 +263,14 @@ pub fn forward<R: CubeRuntime>(
 }
 
 /// `cfg` with the score inputs it stages, and the inputs as the forward reads them: a per-pair
-/// mask packed into bits ([`pack`](super::pack)) where the tensor-core forward stages it.
+/// mask packed into bits ([`pack`](super::pack)) where the tensor-core forward stages it, with
+/// the blocks it hides wholly.
 fn stage_inputs<R: CubeRuntime>(
     client: &ComputeClient<R>,
     cfg: TileConfig,
     inputs: ScoreInputs<R>,
     dtype: DType,
-) -> (TileConfig, ScoreInputs<R>) {
+) -> (TileConfig, ScoreInputs<R>, Option<CubeTensor<R>>) {
     let packs = cfg.tile == TilePath::TensorCore
         && cfg.mask.tensor
         && !cfg.mask.per_key
@@ -270,16 +279,19 @@ fn stage_inputs<R: CubeRuntime>(
         let packed_cfg = cfg.with_packed_mask(true);
         let staged = staging(client, &packed_cfg, &inputs, dtype);
         if staged.mask.is_some() {
-            let mask = inputs
+            let packed = inputs
                 .mask
                 .as_ref()
                 .map(|mask| pack_mask(mask, cfg.block_q, cfg.block_kv));
+            let (mask, hidden_blocks) = packed
+                .map(|packed| (packed.words, packed.hidden_blocks))
+                .unzip();
             let inputs = ScoreInputs { mask, ..inputs };
-            return (packed_cfg.with_staged(staged), inputs);
+            return (packed_cfg.with_staged(staged), inputs, hidden_blocks);
         }
     }
     let staged = staging(client, &cfg, &inputs, dtype);
-    (cfg.with_staged(staged), inputs)
+    (cfg.with_staged(staged), inputs, None)
 }
 
 /// The score inputs the tensor-core forward stages in shared memory ([`Staged`]): a packed mask

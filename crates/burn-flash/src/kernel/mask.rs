@@ -136,7 +136,7 @@ pub fn block_needs_mask(
 
 /// Set the scores of hidden pairs to `-inf`: the band's in blocks that cross it, the mask
 /// input's (`at` its view of this (batch, head), or its block staged at `staged_base` in
-/// `staged`) everywhere.
+/// `staged`) everywhere, unless it is packed ([`hide_packed`](super::inputs::hide_packed)).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn apply_mask<E: Float, M: Int, T: AttentionTile<E>>(
@@ -162,7 +162,8 @@ pub fn apply_mask<E: Float, M: Int, T: AttentionTile<E>>(
             );
         }
     }
-    if comptime!(cfg.mask.tensor) {
+    // A packed mask is applied by `hide_packed`, from the words the block was classified by.
+    if comptime!(cfg.mask.tensor && !cfg.mask.packed) {
         #[comptime]
         if let ComptimeOption::Some(stages) = staged {
             hide_staged::<E, M, T>(scores, stages, staged_base, neg_inf, cfg);

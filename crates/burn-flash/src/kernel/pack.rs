@@ -1,12 +1,16 @@
 //! A per-pair boolean mask packed into bits for the tensor-core forward. Read as integers, the
 //! mask costs the forward a shared-memory load per score; packed, one 32-bit word serves 32
-//! keys of a row, and a staged block shrinks eightfold.
+//! keys of a row, and a staged block shrinks eightfold. The blocks the mask hides wholly are
+//! listed too, so that the forward neither loads nor computes them (document masks).
 //!
-//! Layout, `[b|1, h|1, blocks, rows · words]` u32: `words = block_kv / 32` words per query row
+//! Words, `[b|1, h|1, blocks, rows · words]` u32: `words = block_kv / 32` words per query row
 //! of each KV block, bit `j % 32` of word `j / 32` set where the mask hides key `j` of the block
 //! (keys past `seq_k` set too). The words of one KV block are contiguous over the query rows, so
 //! a query block's are a contiguous run that 16-byte copies stage; `rows` is `seq_q` rounded up
-//! to whole query blocks (the extra rows are zero, never used).
+//! to whole query blocks (the extra rows hide every key: no query is there).
+//!
+//! Hidden blocks, `[b|1, h|1, seq_q / block_q, blocks]` u32 (rounded up): 1 where the mask hides
+//! every pair of that query block and KV block.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -34,8 +38,9 @@ fn pack_mask_kernel<M: Int, N: Size>(
         let (batch, head) = (plane / packed.shape(1), plane % packed.shape(1));
         let (seq_q, seq_k) = (mask.shape(2), mask.shape(3));
 
-        let mut bits = 0u32;
+        let mut bits = 0xFFFF_FFFFu32;
         if row < seq_q {
+            bits = 0u32;
             let base = batch * mask.stride(0) + head * mask.stride(1) + row * mask.stride(2);
             #[unroll]
             for part in 0..comptime!(32 / width) {
@@ -63,9 +68,60 @@ fn pack_mask_kernel<M: Int, N: Size>(
     }
 }
 
+/// One unit per (query block, KV block) of each (batch, head) of the packed mask: 1 where its
+/// `block_words` words (contiguous, `N` per load) all have every bit set.
+#[cube(launch_unchecked, address_type = "dynamic")]
+fn hidden_blocks_kernel<N: Size>(
+    packed: &Tensor<Vector<u32, N>>,
+    hidden: &mut Tensor<u32>,
+    #[comptime] block_words: usize,
+) {
+    let width = packed.vector_size();
+    if ABSOLUTE_POS < hidden.len() {
+        let (q_blocks, kv_blocks) = (hidden.shape(2), hidden.shape(3));
+        let kv_block = ABSOLUTE_POS % kv_blocks;
+        let q_block = ABSOLUTE_POS / kv_blocks % q_blocks;
+        let plane = ABSOLUTE_POS / (kv_blocks * q_blocks);
+        let (batch, head) = (plane / hidden.shape(1), plane % hidden.shape(1));
+        let start = (batch * packed.stride(0)
+            + head * packed.stride(1)
+            + kv_block * packed.stride(2)
+            + q_block * block_words)
+            / width;
+        let mut all = 0xFFFF_FFFFu32;
+        for at in 0..comptime!(block_words / width) {
+            let words = packed[start + at];
+            #[unroll]
+            for e in 0..width {
+                all &= words[e];
+            }
+        }
+        hidden[ABSOLUTE_POS] = u32::cast_from(all == 0xFFFF_FFFFu32);
+    }
+}
+
+/// A mask packed for the forward: its words and its wholly hidden blocks (module docs).
+pub(crate) struct PackedMask<R: CubeRuntime> {
+    pub words: CubeTensor<R>,
+    pub hidden_blocks: CubeTensor<R>,
+}
+
 /// `mask` (`[b|1, h|1, seq_q, seq_k]` contiguous integers, bit 0 set where hidden) packed for a
 /// forward of `block_q`-row query blocks over `block_kv`-key blocks (a multiple of 32).
 pub(crate) fn pack_mask<R: CubeRuntime>(
+    mask: &CubeTensor<R>,
+    block_q: usize,
+    block_kv: usize,
+) -> PackedMask<R> {
+    let words = pack_words(mask, block_q, block_kv);
+    let hidden_blocks = hidden_blocks(&words, block_q, block_kv);
+    PackedMask {
+        words,
+        hidden_blocks,
+    }
+}
+
+fn pack_words<R: CubeRuntime>(
     mask: &CubeTensor<R>,
     block_q: usize,
     block_kv: usize,
@@ -110,13 +166,57 @@ pub(crate) fn pack_mask<R: CubeRuntime>(
     packed
 }
 
+fn hidden_blocks<R: CubeRuntime>(
+    packed: &CubeTensor<R>,
+    block_q: usize,
+    block_kv: usize,
+) -> CubeTensor<R> {
+    let dims = packed.meta.shape().clone();
+    let block_words = block_q * block_kv / 32;
+    let shape = Shape::new([dims[0], dims[1], dims[3] / block_words, dims[2]]);
+    let hidden = empty_device_contiguous_dtype(
+        packed.client.clone(),
+        packed.device.clone(),
+        shape,
+        DType::U32,
+    );
+    let units = hidden.meta.num_elements();
+    if units == 0 {
+        return hidden;
+    }
+    // A block's words are a multiple of 4 (block_q is): the width divides them.
+    let width = vector_width(&[packed]).min(4);
+    let cube_dim = CubeDim::new_1d(256);
+    let address = [packed, &hidden]
+        .iter()
+        .map(|t| t.required_address_type())
+        .max()
+        .unwrap_or_default();
+    // SAFETY: one unit per block flag, guarded by its length; each reads the words of its block,
+    // which lie inside the packed tensor (whole query blocks of rows).
+    unsafe {
+        hidden_blocks_kernel::launch_unchecked(
+            &packed.client,
+            cubecl::calculate_cube_count_elemwise(&packed.client, units, cube_dim),
+            cube_dim,
+            address,
+            width,
+            packed.clone().into_tensor_arg(),
+            hidden.clone().into_tensor_arg(),
+            block_words,
+        );
+    }
+    hidden
+}
+
 #[cfg(test)]
 mod tests {
     //! The packing kernel on the bare wgpu backend (lavapipe in CI), against the bits computed
     //! here from the mask's values.
     use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
-    use burn::tensor::{Distribution, Int, Tensor};
+    use burn::tensor::{Bool, Distribution, Int, Tensor, TensorData};
     use burn_cubecl::CubeBackend;
+    use burn_cubecl::tensor::CubeTensor;
 
     use crate::kernel::ScoreInputs;
 
@@ -125,27 +225,43 @@ mod tests {
     #[test]
     fn packs_a_bit_per_pair_by_kv_block() {
         let device = WgpuDevice::default();
-        // (mask dims, block_q, block_kv): keys past a block's end, odd key counts (one element
-        // per load) and multiples of 4 (vectors), rows past the last query block, broadcasts.
-        for &(dims, block_q, block_kv) in &[
-            ([2usize, 1, 70, 100], 32usize, 64usize),
-            ([1, 3, 5, 33], 16, 32),
-            ([1, 1, 128, 64], 128, 64),
-            ([2, 2, 9, 256], 128, 128),
+        // (mask dims, block_q, block_kv, documents): keys past a block's end, odd key counts
+        // (one element per load) and multiples of 4 (vectors), rows past the last query block,
+        // broadcasts; with documents (query i sees keys of run i / 10 only, 30 % of those
+        // hidden at random), blocks the mask hides wholly.
+        for &(dims, block_q, block_kv, documents) in &[
+            ([2usize, 1, 70, 100], 32usize, 64usize, false),
+            ([1, 3, 5, 33], 16, 32, false),
+            ([1, 1, 128, 64], 128, 64, false),
+            ([2, 2, 9, 256], 128, 128, false),
+            ([1, 2, 100, 300], 16, 32, true),
+            ([2, 1, 70, 333], 32, 64, true),
         ] {
+            let [_, _, sq, sk] = dims;
             let uniform = Tensor::<B, 4>::random(dims, Distribution::Uniform(0.0, 1.0), &device);
-            let values: Vec<bool> = uniform.to_data().iter::<f32>().map(|u| u < 0.3).collect();
-            let mask = uniform.lower_elem(0.3);
+            let values: Vec<bool> = uniform
+                .to_data()
+                .iter::<f32>()
+                .enumerate()
+                .map(|(n, u)| u < 0.3 || (documents && (n / sk % sq) / 10 != (n % sk) / 37))
+                .collect();
+            let mask =
+                Tensor::<B, 4, Bool>::from_data(TensorData::new(values.clone(), dims), &device);
             let inputs = ScoreInputs::new(Some(mask.into_primitive()), None);
             let packed = super::pack_mask(inputs.mask.as_ref().unwrap(), block_q, block_kv);
-            let packed_dims = packed.meta.shape().clone();
-            let got = Tensor::<B, 4, Int>::from_primitive(packed)
-                .to_data()
-                .convert::<u32>()
-                .to_vec::<u32>()
-                .unwrap();
+            let read = |t: CubeTensor<WgpuRuntime>| {
+                let dims = t.meta.shape().clone();
+                let values = Tensor::<B, 4, Int>::from_primitive(t)
+                    .to_data()
+                    .convert::<u32>()
+                    .to_vec::<u32>()
+                    .unwrap();
+                (dims, values)
+            };
+            let (packed_dims, got) = read(packed.words);
+            let (hidden_dims, hidden) = read(packed.hidden_blocks);
 
-            let [b, h, sq, sk] = dims;
+            let [b, h, _, _] = dims;
             let (words, blocks) = (block_kv / 32, sk.div_ceil(block_kv));
             let rows = sq.div_ceil(block_q) * block_q;
             assert_eq!(packed_dims[..], [b, h, blocks, rows * words]);
@@ -157,8 +273,8 @@ mod tests {
                             let mut bits = 0u32;
                             for bit in 0..32 {
                                 let key = block * block_kv + word * 32 + bit;
-                                let hidden = row < sq
-                                    && (key >= sk || values[(plane * sq + row) * sk + key]);
+                                let hidden =
+                                    row >= sq || key >= sk || values[(plane * sq + row) * sk + key];
                                 bits |= u32::from(hidden) << bit;
                             }
                             expected.push(bits);
@@ -167,6 +283,26 @@ mod tests {
                 }
             }
             assert_eq!(got, expected, "mask {dims:?}, blocks {block_q}×{block_kv}");
+
+            // A block is hidden when no query row of it below `sq` sees a key below `sk`.
+            let q_blocks = rows / block_q;
+            assert_eq!(hidden_dims[..], [b, h, q_blocks, blocks]);
+            let mut expected_hidden = Vec::new();
+            for plane in 0..b * h {
+                for q_block in 0..q_blocks {
+                    for block in 0..blocks {
+                        let sees = |row: usize| {
+                            (0..block_kv)
+                                .map(|col| block * block_kv + col)
+                                .any(|key| key < sk && !values[(plane * sq + row) * sk + key])
+                        };
+                        let all = !(q_block * block_q..(q_block + 1) * block_q)
+                            .any(|row| row < sq && sees(row));
+                        expected_hidden.push(u32::from(all));
+                    }
+                }
+            }
+            assert_eq!(hidden, expected_hidden, "mask {dims:?}, hidden blocks");
         }
     }
 }
