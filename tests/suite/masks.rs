@@ -59,6 +59,9 @@ pub struct Case {
     pub dropout: Option<(f64, u64)>,
     /// ALiBi's biases computed in the kernels.
     pub alibi: bool,
+    /// The mask and bias passed expanded to the full scores' dims (stride-0 views of their own
+    /// dims, as `Tensor::expand` makes them), not in their own dims.
+    pub expanded: bool,
 }
 
 impl Case {
@@ -71,6 +74,15 @@ impl Case {
             deterministic: true,
             dropout: None,
             alibi: false,
+            expanded: false,
+        }
+    }
+
+    /// This case with its mask and bias expanded to the full scores' dims.
+    pub fn expanded(self) -> Self {
+        Self {
+            expanded: true,
+            ..self
         }
     }
 
@@ -212,8 +224,15 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
     burn_flash::testing::poison_outputs(true);
     let p = case.problem;
     let label = format!(
-        "{dtype:?} {p} {} mask {:?} bias {:?} alibi {} dropout {:?} deterministic {} seed {seed}",
-        case.spec, case.mask, case.bias, case.alibi, case.dropout, case.deterministic
+        "{dtype:?} {p} {} mask {:?} bias {:?} expanded {} alibi {} dropout {:?} deterministic {} \
+         seed {seed}",
+        case.spec,
+        case.mask,
+        case.bias,
+        case.expanded,
+        case.alibi,
+        case.dropout,
+        case.deterministic
     );
     let inputs = Inputs::random(p, dtype, seed);
     let upstream = random_normal(p.out_dims().iter().product(), seed ^ 0xA5, dtype);
@@ -242,6 +261,7 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
         let full = Tensor::<B, 4, Bool>::from_data(TensorData::new(values.clone(), *dims), device);
         match case.mask {
             MaskInput::KeyPadding => AttentionMask::KeyPadding(full.reshape([p.batch, p.seq_k])),
+            _ if case.expanded => AttentionMask::Full(full.expand(full_dims(&p))),
             _ => AttentionMask::Full(full),
         }
     });
@@ -253,13 +273,18 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
             tensor
         }
     });
+    // The gradient is the bias leaf's; the call sees the expanded view.
+    let call_bias = device_bias.clone().map(|bias| match case.expanded {
+        true => bias.expand(full_dims(&p)),
+        false => bias,
+    });
 
     let out = flash_attention_masked(
         q.clone(),
         k.clone(),
         v.clone(),
         device_mask,
-        device_bias.clone(),
+        call_bias,
         options,
     );
     let grad_out = tensor_from_host::<B>(&upstream, p.out_dims(), dtype, device);
@@ -465,6 +490,22 @@ mod wgpu {
                     MaskInput::Full([2, 1, 1, 40]),
                     None,
                 ),
+                // Expanded views: read as the broadcasts they are (a query dim expanded makes
+                // a per-key mask).
+                Case::new(
+                    Problem::cross(2, 4, 45, 70, 16).grouped(2),
+                    none,
+                    MaskInput::Full([1, 1, 45, 70]),
+                    None,
+                )
+                .expanded(),
+                Case::new(
+                    Problem::cross(2, 2, 33, 40, 16),
+                    none,
+                    MaskInput::Full([2, 1, 1, 40]),
+                    None,
+                )
+                .expanded(),
             ],
             700,
             Some(TilePath::Portable),
@@ -495,6 +536,13 @@ mod wgpu {
                     MaskInput::None,
                     bias([2, 1, 1, 50], true),
                 ),
+                Case::new(
+                    Problem::cross(2, 2, 40, 60, 16),
+                    none,
+                    MaskInput::None,
+                    bias([1, 2, 40, 60], true),
+                )
+                .expanded(),
             ],
             720,
             Some(TilePath::Portable),
@@ -1013,6 +1061,14 @@ mod cuda {
                     MaskInput::Documents(96),
                     None,
                 ),
+                // Expanded over heads: packed once per batch.
+                Case::new(
+                    Problem::square(3, 2, 400, 64),
+                    Spec::from(true),
+                    MaskInput::Documents(96),
+                    None,
+                )
+                .expanded(),
                 Case::new(
                     Problem::cross(2, 2, 300, 520, 128),
                     Spec::from(true),
@@ -1095,6 +1151,14 @@ mod cuda {
                     MaskInput::Full([1, 2, 160, 160]),
                     bias([1, 1, 160, 160]),
                 ),
+                // Expanded views, staged as the broadcasts they are.
+                Case::new(
+                    Problem::cross(2, 2, 140, 144, 64),
+                    Spec::from(true),
+                    MaskInput::Full([2, 1, 140, 144]),
+                    bias([1, 2, 140, 144]),
+                )
+                .expanded(),
                 atomic,
                 Case::new(
                     Problem::cross(2, 2, 70, 200, 64),

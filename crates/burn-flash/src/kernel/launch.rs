@@ -352,15 +352,16 @@ pub struct ScoreInputs<R: CubeRuntime> {
 }
 
 impl<R: CubeRuntime> ScoreInputs<R> {
-    /// These inputs, made contiguous; a mask stored as native booleans becomes u8.
+    /// These inputs as broadcasts ([`broadcast_view`]), made contiguous; a mask stored as native
+    /// booleans becomes u8.
     pub fn new(mask: Option<CubeTensor<R>>, bias: Option<CubeTensor<R>>) -> Self {
-        let mask = mask.map(|mask| match mask.dtype {
+        let mask = mask.map(broadcast_view).map(|mask| match mask.dtype {
             DType::Bool(BoolStore::Native) => bool_cast(mask, DType::U8),
-            _ => into_contiguous(mask),
+            _ => mask,
         });
         Self {
             mask,
-            bias: bias.map(into_contiguous),
+            bias: bias.map(broadcast_view),
         }
     }
 
@@ -384,6 +385,28 @@ impl<R: CubeRuntime> ScoreInputs<R> {
     pub(crate) fn bias_arg(&self) -> Option<TensorArg<R>> {
         self.bias.clone().map(CubeTensor::into_tensor_arg)
     }
+}
+
+/// `input` (`[b, h, sq, sk]`) read as the broadcast it is: a batch, head or query dim expanded
+/// with stride 0 (as `Tensor::expand` leaves one) gets size 1, which every kernel broadcasts,
+/// rather than being copied out to its full size; what is then still not contiguous is copied.
+fn broadcast_view<R: CubeRuntime>(mut input: CubeTensor<R>) -> CubeTensor<R> {
+    for dim in 0..3 {
+        if input.meta.strides()[dim] == 0 {
+            input.meta.shape_mut()[dim] = 1;
+        }
+    }
+    // A dim of size 1 is never stepped over: give it the stride a contiguous tensor has, which
+    // is what `into_contiguous` checks.
+    let mut stride = 1;
+    for dim in (0..input.meta.num_dims()).rev() {
+        let size = input.meta.shape()[dim];
+        if size == 1 {
+            input.meta.strides_mut()[dim] = stride;
+        }
+        stride *= size;
+    }
+    into_contiguous(input)
 }
 
 /// Units of a cube: one plane per `cfg.planes` (tensor cores), one unit per owned row (portable).
@@ -552,5 +575,40 @@ mod tests {
                 "sq {sq} sk {sk} d {d} causal {causal}: max error {err}"
             );
         }
+    }
+
+    /// Expanded views keep their storage: a stride-0 dim becomes a broadcast dim, the values
+    /// read through it are those of the expanded tensor, and other views are copied.
+    #[test]
+    fn score_inputs_read_expanded_views_as_broadcasts() {
+        let device = WgpuDevice::default();
+        let source = Tensor::<B, 4>::random([1, 2, 1, 5], Distribution::Uniform(0.0, 1.0), &device);
+        let expanded = source.clone().expand([3, 2, 4, 5]);
+        let mask = source
+            .clone()
+            .lower_elem(0.5)
+            .expand([3, 2, 4, 5])
+            .into_primitive();
+        let bias = expanded.clone().into_primitive().tensor();
+        let storage = format!("{:?}", bias.handle.memory);
+        let inputs = super::ScoreInputs::new(Some(mask), Some(bias));
+
+        let bias = inputs.bias.unwrap();
+        assert_eq!(bias.meta.shape()[..], [1, 2, 1, 5]);
+        assert_eq!(format!("{:?}", bias.handle.memory), storage, "copied");
+        let read = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(bias));
+        assert_eq!(read.expand([3, 2, 4, 5]).to_data(), expanded.to_data());
+        let mask = inputs.mask.unwrap();
+        assert_eq!(mask.meta.shape()[..], [1, 2, 1, 5]);
+        assert!(mask.is_contiguous());
+
+        // A transposed view has no stride 0: copied, dims kept.
+        let transposed = source.expand([3, 2, 4, 5]).swap_dims(2, 3);
+        let bias =
+            super::ScoreInputs::new(None, Some(transposed.clone().into_primitive().tensor()))
+                .bias
+                .unwrap();
+        assert!(bias.is_contiguous());
+        assert_eq!(bias.meta.shape()[..], [1, 2, 5, 4]);
     }
 }
