@@ -1,6 +1,8 @@
 //! Global level of the forward: one cube per (query block, head, batch). The cube loads its
 //! query block once, walks the KV blocks its band lets it see (from the sliding window's left
-//! edge to the causal diagonal), and writes the normalised output and the per-row log-sum-exp.
+//! edge to the causal diagonal; with a packed mask, only from the first block the mask lets it
+//! see to the last, skipping those it hides wholly), and writes the normalised output and the
+//! per-row log-sum-exp.
 //! Grouped-query attention reads the key/value head `head / group` of its query head. A mask or
 //! bias input is read where each score register sits ([`inputs`](super::inputs)); dropout drops
 //! probabilities after the softmax statistics saw them, so the normaliser and the log-sum-exp
@@ -13,7 +15,7 @@ use super::config::TileConfig;
 use super::dropout::{Dropout, keep_mask};
 use super::inputs::{
     Views, add_bias, alibi_slope, block_visible, fetch_inputs, hidden_row, hide_packed,
-    input_stages, packed_block,
+    input_stages, packed_block, visible_range,
 };
 use super::mask::{Band, apply_mask, kv_blocks};
 use super::softmax::{RowStats, Softcap, finish, init_stats, online_update, softcap_scores};
@@ -103,6 +105,10 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     } else {
         scale
     };
+    // The band's blocks, narrowed to those a packed mask lets the query block see: read first,
+    // so that the read's latency passes while the stages are set up.
+    let (first, end) = kv_blocks(coords.band, coords.q_start, cfg);
+    let (first, end) = visible_range(hidden_blocks, coords.hidden_row, first, end);
     let mut stats = init_stats(neg_inf, cfg);
     let mut acc = Array::<f32>::new(cfg.out_regs());
     #[unroll]
@@ -110,7 +116,6 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         acc[reg] = 0.0;
     }
 
-    let (first, end) = kv_blocks(coords.band, coords.q_start, cfg);
     let mut query = if comptime!(cfg.tile == TilePath::TensorCore) {
         kv_loop_pipelined::<E, M, T>(
             q,

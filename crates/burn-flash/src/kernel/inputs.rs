@@ -160,6 +160,27 @@ pub fn hidden_row(
     row
 }
 
+/// Blocks `[first, end)` narrowed to those from the first KV block the query block of `row`
+/// ([`hidden_row`]) sees by its packed mask to the last; unchanged without one.
+#[cube]
+pub fn visible_range(
+    hidden_blocks: &ComptimeOption<Tensor<u32>>,
+    row: usize,
+    first: usize,
+    end: usize,
+) -> (usize, usize) {
+    let mut range = (first, end);
+    #[comptime]
+    if let ComptimeOption::Some(flags) = hidden_blocks {
+        let blocks = flags.shape(3) - 2;
+        range = (
+            max(first, usize::cast_from(flags[row + blocks])),
+            min(end, usize::cast_from(flags[row + blocks + 1])),
+        );
+    }
+    range
+}
+
 /// Whether KV block `block` holds a pair the query block of `row` ([`hidden_row`]) sees by
 /// its packed mask; always without one.
 #[cube]

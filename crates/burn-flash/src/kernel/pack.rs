@@ -9,8 +9,10 @@
 //! a query block's are a contiguous run that 16-byte copies stage; `rows` is `seq_q` rounded up
 //! to whole query blocks (the extra rows hide every key: no query is there).
 //!
-//! Hidden blocks, `[b|1, h|1, seq_q / block_q, blocks]` u32 (rounded up): 1 where the mask hides
-//! every pair of that query block and KV block.
+//! Hidden blocks, `[b|1, h|1, seq_q / block_q, blocks + 2]` u32 (rounded up): 1 where the mask
+//! hides every pair of that query block and KV block; then the query block's visible range, the
+//! first KV block it sees and one past the last (`blocks, 0` when it sees none), so that the
+//! forward walks only that range.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -68,26 +70,32 @@ fn pack_mask_kernel<M: Int, N: Size>(
     }
 }
 
-/// One unit per (query block, KV block) of each (batch, head) of the packed mask: 1 where its
-/// `block_words` words (contiguous, `N` per load) all have every bit set.
+/// One cube per (query block, head, batch) of the packed mask, a unit per KV block (striding
+/// over them): the block's flag, 1 where its `block_words` words (contiguous, `N` per load) all
+/// have every bit set; then the query block's visible range, by a min/max over the cube.
 #[cube(launch_unchecked, address_type = "dynamic")]
 fn hidden_blocks_kernel<N: Size>(
     packed: &Tensor<Vector<u32, N>>,
     hidden: &mut Tensor<u32>,
     #[comptime] block_words: usize,
+    #[comptime] units: usize,
 ) {
     let width = packed.vector_size();
-    if ABSOLUTE_POS < hidden.len() {
-        let (q_blocks, kv_blocks) = (hidden.shape(2), hidden.shape(3));
-        let kv_block = ABSOLUTE_POS % kv_blocks;
-        let q_block = ABSOLUTE_POS / kv_blocks % q_blocks;
-        let plane = ABSOLUTE_POS / (kv_blocks * q_blocks);
-        let (batch, head) = (plane / hidden.shape(1), plane % hidden.shape(1));
-        let start = (batch * packed.stride(0)
-            + head * packed.stride(1)
-            + kv_block * packed.stride(2)
-            + q_block * block_words)
-            / width;
+    let (q_block, head, batch) = (
+        CUBE_POS_X as usize,
+        CUBE_POS_Y as usize,
+        CUBE_POS_Z as usize,
+    );
+    let unit = UNIT_POS as usize;
+    let kv_blocks = hidden.shape(3) - 2;
+    let row = batch * hidden.stride(0) + head * hidden.stride(1) + q_block * hidden.stride(2);
+    let row_words = batch * packed.stride(0) + head * packed.stride(1) + q_block * block_words;
+
+    let mut first = u32::cast_from(kv_blocks);
+    let mut end = 0u32;
+    let mut kv_block = unit;
+    while kv_block < kv_blocks {
+        let start = (row_words + kv_block * packed.stride(2)) / width;
         let mut all = 0xFFFF_FFFFu32;
         for at in 0..comptime!(block_words / width) {
             let words = packed[start + at];
@@ -95,8 +103,37 @@ fn hidden_blocks_kernel<N: Size>(
             for e in 0..width {
                 all &= words[e];
             }
+            // One visible pair settles it (most blocks of most masks).
+            if all != 0xFFFF_FFFFu32 {
+                break;
+            }
         }
-        hidden[ABSOLUTE_POS] = u32::cast_from(all == 0xFFFF_FFFFu32);
+        let visible = all != 0xFFFF_FFFFu32;
+        hidden[row + kv_block] = u32::cast_from(!visible);
+        if visible {
+            first = min(first, u32::cast_from(kv_block));
+            end = u32::cast_from(kv_block + 1);
+        }
+        kv_block += units;
+    }
+
+    let mut firsts = SharedMemory::<u32>::new(units);
+    let mut ends = SharedMemory::<u32>::new(units);
+    firsts[unit] = first;
+    ends[unit] = end;
+    sync_cube();
+    #[unroll]
+    for step in 1..comptime!(units.trailing_zeros() as usize + 1) {
+        let half = comptime!(units >> step);
+        if unit < half {
+            firsts[unit] = min(firsts[unit], firsts[unit + half]);
+            ends[unit] = max(ends[unit], ends[unit + half]);
+        }
+        sync_cube();
+    }
+    if unit == 0 {
+        hidden[row + kv_blocks] = firsts[0];
+        hidden[row + kv_blocks + 1] = ends[0];
     }
 }
 
@@ -171,39 +208,41 @@ fn hidden_blocks<R: CubeRuntime>(
     block_q: usize,
     block_kv: usize,
 ) -> CubeTensor<R> {
+    const UNITS: usize = 128;
     let dims = packed.meta.shape().clone();
     let block_words = block_q * block_kv / 32;
-    let shape = Shape::new([dims[0], dims[1], dims[3] / block_words, dims[2]]);
+    let q_blocks = dims[3] / block_words;
+    let shape = Shape::new([dims[0], dims[1], q_blocks, dims[2] + 2]);
     let hidden = empty_device_contiguous_dtype(
         packed.client.clone(),
         packed.device.clone(),
         shape,
         DType::U32,
     );
-    let units = hidden.meta.num_elements();
-    if units == 0 {
+    if hidden.meta.num_elements() == 0 {
         return hidden;
     }
     // A block's words are a multiple of 4 (block_q is): the width divides them.
     let width = vector_width(&[packed]).min(4);
-    let cube_dim = CubeDim::new_1d(256);
     let address = [packed, &hidden]
         .iter()
         .map(|t| t.required_address_type())
         .max()
         .unwrap_or_default();
-    // SAFETY: one unit per block flag, guarded by its length; each reads the words of its block,
-    // which lie inside the packed tensor (whole query blocks of rows).
+    // SAFETY: one cube per row of flags; its units write the flags of the KV blocks below the
+    // row's length and read those blocks' words, which lie inside the packed tensor (whole query
+    // blocks of rows); unit 0 writes the row's two last elements.
     unsafe {
         hidden_blocks_kernel::launch_unchecked(
             &packed.client,
-            cubecl::calculate_cube_count_elemwise(&packed.client, units, cube_dim),
-            cube_dim,
+            CubeCount::Static(q_blocks as u32, dims[1] as u32, dims[0] as u32),
+            CubeDim::new_1d(UNITS as u32),
             address,
             width,
             packed.clone().into_tensor_arg(),
             hidden.clone().into_tensor_arg(),
             block_words,
+            UNITS,
         );
     }
     hidden
@@ -284,22 +323,30 @@ mod tests {
             }
             assert_eq!(got, expected, "mask {dims:?}, blocks {block_q}×{block_kv}");
 
-            // A block is hidden when no query row of it below `sq` sees a key below `sk`.
+            // A block is hidden when no query row of it below `sq` sees a key below `sk`; each
+            // row of flags ends with the first visible block and one past the last.
             let q_blocks = rows / block_q;
-            assert_eq!(hidden_dims[..], [b, h, q_blocks, blocks]);
+            assert_eq!(hidden_dims[..], [b, h, q_blocks, blocks + 2]);
             let mut expected_hidden = Vec::new();
             for plane in 0..b * h {
                 for q_block in 0..q_blocks {
-                    for block in 0..blocks {
-                        let sees = |row: usize| {
-                            (0..block_kv)
-                                .map(|col| block * block_kv + col)
-                                .any(|key| key < sk && !values[(plane * sq + row) * sk + key])
-                        };
-                        let all = !(q_block * block_q..(q_block + 1) * block_q)
-                            .any(|row| row < sq && sees(row));
-                        expected_hidden.push(u32::from(all));
-                    }
+                    let flags: Vec<u32> = (0..blocks)
+                        .map(|block| {
+                            let sees = |row: usize| {
+                                (0..block_kv)
+                                    .map(|col| block * block_kv + col)
+                                    .any(|key| key < sk && !values[(plane * sq + row) * sk + key])
+                            };
+                            let all = !(q_block * block_q..(q_block + 1) * block_q)
+                                .any(|row| row < sq && sees(row));
+                            u32::from(all)
+                        })
+                        .collect();
+                    let visible = || (0..blocks).filter(|&block| flags[block] == 0);
+                    let first = visible().next().unwrap_or(blocks);
+                    let end = visible().next_back().map_or(0, |block| block + 1);
+                    expected_hidden.extend(flags.iter().copied());
+                    expected_hidden.extend([first as u32, end as u32]);
                 }
             }
             assert_eq!(hidden, expected_hidden, "mask {dims:?}, hidden blocks");
