@@ -206,70 +206,66 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
 ) {
     let packed = packed_block::<E, M, T>(mask_stages, stage * comptime!(cfg.mask_stage_len()), cfg);
-    // A plane whose rows the mask hides from every key of the block skips it: its probabilities
-    // would all be 0, and its running statistics stay as they are.
-    if !packed.all_hidden {
-        let mut scores = T::scores(query, keys, stage * cfg.block_kv * cfg.head_stride(), cfg);
-        if comptime!(cfg.softcap) {
-            softcap_scores(
-                &mut scores,
-                coords.softcap,
-                cfg.score_regs(),
-                cfg.softcap_outer_in_scale(),
-            );
-        }
-        add_bias::<E, T>(
+    let mut scores = T::scores(query, keys, stage * cfg.block_kv * cfg.head_stride(), cfg);
+    if comptime!(cfg.softcap) {
+        softcap_scores(
             &mut scores,
-            bias,
-            bias_stages,
-            stage * comptime!(cfg.block_q * cfg.block_kv),
-            coords.views.bias,
-            coords.band,
+            coords.softcap,
+            cfg.score_regs(),
+            cfg.softcap_outer_in_scale(),
+        );
+    }
+    add_bias::<E, T>(
+        &mut scores,
+        bias,
+        bias_stages,
+        stage * comptime!(cfg.block_q * cfg.block_kv),
+        coords.views.bias,
+        coords.band,
+        coords.q_start,
+        kv_start,
+        coords.inv_scale,
+        coords.alibi,
+        false,
+        cfg,
+    );
+    apply_mask::<E, M, T>(
+        &mut scores,
+        mask,
+        mask_stages,
+        stage * comptime!(cfg.mask_stage_len()),
+        coords.views.mask,
+        coords.band,
+        coords.q_start,
+        kv_start,
+        coords.neg_inf,
+        cfg,
+    );
+    if comptime!(cfg.mask.packed) {
+        hide_packed::<E, T>(&mut scores, &packed, coords.neg_inf, cfg);
+    }
+    online_update::<E, T>(&mut scores, stats, acc, scale, coords.neg_inf, cfg);
+    if comptime!(cfg.dropout) {
+        let keep = keep_mask::<E, T>(
+            &coords.dropout,
+            coords.head_key,
             coords.q_start,
             kv_start,
-            coords.inv_scale,
-            coords.alibi,
             false,
             cfg,
         );
-        apply_mask::<E, M, T>(
-            &mut scores,
-            mask,
-            mask_stages,
-            stage * comptime!(cfg.mask_stage_len()),
-            coords.views.mask,
-            coords.band,
-            coords.q_start,
-            kv_start,
-            coords.neg_inf,
-            cfg,
-        );
-        if comptime!(cfg.mask.packed) {
-            hide_packed::<E, T>(&mut scores, &packed, coords.neg_inf, cfg);
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            scores[reg] = select(keep[reg], scores[reg], 0.0);
         }
-        online_update::<E, T>(&mut scores, stats, acc, scale, coords.neg_inf, cfg);
-        if comptime!(cfg.dropout) {
-            let keep = keep_mask::<E, T>(
-                &coords.dropout,
-                coords.head_key,
-                coords.q_start,
-                kv_start,
-                false,
-                cfg,
-            );
-            #[unroll]
-            for reg in 0..cfg.score_regs() {
-                scores[reg] = select(keep[reg], scores[reg], 0.0);
-            }
-        }
-        T::accumulate(
-            &scores,
-            values,
-            stage * cfg.block_kv * cfg.value_stride(),
-            acc,
-            cfg,
-        );
     }
+    T::accumulate(
+        &scores,
+        values,
+        stage * cfg.block_kv * cfg.value_stride(),
+        acc,
+        cfg,
+    );
 }
 
 /// Blocks `[first, end)` through two shared-memory stages filled by asynchronous copies: block
@@ -303,10 +299,14 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     let barriers = StageBarriers::new();
     sync_cube();
 
+    // A packed mask's block flags are read an iteration before the one that fetches the block,
+    // so that a load lands behind a block's products, not in front of the next fetch. Reads
+    // are clamped into the range (the kernel's `&&` evaluates both sides).
     let row = coords.hidden_row;
-    // `block_visible` only for blocks in range: the kernel's `&&` evaluates both sides.
-    let fetch_first = first < end && block_visible(hidden_blocks, row, min(first, end - 1));
-    if fetch_first {
+    let last = max(end, 1) - 1;
+    let mut visible = first < end && block_visible(hidden_blocks, row, min(first, last));
+    let mut visible_next = block_visible(hidden_blocks, row, min(first + 1, last));
+    if visible {
         fetch_block::<E, M>(
             k,
             v,
@@ -327,8 +327,8 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     for block in first..end {
         let stage = (block - first) % 2;
         barriers.wait(stage);
-        let next = min(block + 1, end - 1);
-        if block + 1 < end && block_visible(hidden_blocks, row, next) {
+        let visible_after = block_visible(hidden_blocks, row, min(block + 2, last));
+        if block + 1 < end && visible_next {
             fetch_block::<E, M>(
                 k,
                 v,
@@ -345,7 +345,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
                 cfg,
             );
         }
-        if block_visible(hidden_blocks, row, block) {
+        if visible {
             attend_block::<E, M, T>(
                 &query,
                 mask,
@@ -363,6 +363,8 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
                 cfg,
             );
         }
+        visible = visible_next;
+        visible_next = visible_after;
     }
     query
 }
