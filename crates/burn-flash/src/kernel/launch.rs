@@ -189,11 +189,10 @@ pub fn forward<R: CubeRuntime>(
         heads as u32,
         batch as u32,
     );
-    let address = [&q, &k, &v, &out]
-        .iter()
-        .map(|t| t.required_address_type())
-        .max()
-        .unwrap_or_default();
+    // The score inputs can be the largest tensors of the launch (`[b, h, sq, sk]`).
+    let address = address_type(&[&q, &k, &v, &out])
+        .max(inputs.address_type())
+        .max(address_type(&hidden_blocks.iter().collect::<Vec<_>>()));
     let dtypes = [q.dtype.into(), inputs.mask_dtype()];
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
 
@@ -378,6 +377,11 @@ impl<R: CubeRuntime> ScoreInputs<R> {
             .into()
     }
 
+    /// The address width the kernels need to index the mask and bias.
+    pub(crate) fn address_type(&self) -> AddressType {
+        address_type(&self.mask.iter().chain(&self.bias).collect::<Vec<_>>())
+    }
+
     pub(crate) fn mask_arg(&self) -> Option<TensorArg<R>> {
         self.mask.clone().map(CubeTensor::into_tensor_arg)
     }
@@ -462,6 +466,15 @@ pub(crate) fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize 
         })
         .min()
         .unwrap_or(1)
+}
+
+/// The address width every index into `tensors` fits (32 bits unless one is too large).
+pub(crate) fn address_type<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> AddressType {
+    tensors
+        .iter()
+        .map(|t| t.required_address_type())
+        .max()
+        .unwrap_or_default()
 }
 
 /// Set every element of a contiguous tensor to `value`, a vector per unit.

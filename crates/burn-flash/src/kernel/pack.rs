@@ -19,7 +19,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
 use cubecl::prelude::*;
 
-use super::launch::vector_width;
+use super::launch::{address_type, vector_width};
 
 /// One unit per packed word; consecutive units take consecutive words of a query row, so a
 /// plane reads a row's mask contiguously, `N` elements per load.
@@ -180,11 +180,7 @@ fn pack_words<R: CubeRuntime>(
     }
     let width = vector_width(&[mask]).min(32);
     let cube_dim = CubeDim::new_1d(256);
-    let address = [mask, &packed]
-        .iter()
-        .map(|t| t.required_address_type())
-        .max()
-        .unwrap_or_default();
+    let address = address_type(&[mask, &packed]);
     // SAFETY: one unit per packed word, guarded by its length; the mask is read only at rows
     // below `seq_q` and keys below `seq_k`, a whole vector at a time (the width divides `seq_k`).
     unsafe {
@@ -224,11 +220,7 @@ fn hidden_blocks<R: CubeRuntime>(
     }
     // A block's words are a multiple of 4 (block_q is): the width divides them.
     let width = vector_width(&[packed]).min(4);
-    let address = [packed, &hidden]
-        .iter()
-        .map(|t| t.required_address_type())
-        .max()
-        .unwrap_or_default();
+    let address = address_type(&[packed, &hidden]);
     // SAFETY: one cube per row of flags; its units write the flags of the KV blocks below the
     // row's length and read those blocks' words, which lie inside the packed tensor (whole query
     // blocks of rows); unit 0 writes the row's two last elements.

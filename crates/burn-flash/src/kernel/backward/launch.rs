@@ -16,8 +16,8 @@ use super::row_dot::row_dot;
 use crate::kernel::TilePath;
 use crate::kernel::config::{MMA_M, ScoreParams, TileConfig};
 use crate::kernel::launch::{
-    ScoreInputs, cube_dim, fill_tensor, fits_shared, output, shape_override, usable_tile,
-    vector_width,
+    ScoreInputs, address_type, cube_dim, fill_tensor, fits_shared, output, shape_override,
+    usable_tile, vector_width,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 
@@ -259,11 +259,10 @@ pub fn backward<R: CubeRuntime>(
         fill_tensor(&accum, 0.0);
         accum
     });
-    let address = [&q, &k, &v, &out, &d_out, &d_q, &d_k, &d_v]
-        .iter()
-        .map(|t| t.required_address_type())
-        .max()
-        .unwrap_or_default();
+    // The score inputs and the bias gradient (`[b, h, sq, sk]`) can be the largest tensors.
+    let address = address_type(&[&q, &k, &v, &out, &d_out, &d_q, &d_k, &d_v])
+        .max(inputs.address_type())
+        .max(address_type(&d_bias.iter().collect::<Vec<_>>()));
     let dq_width = dq_vector_width(&client, &cfg);
     let elem: StorageType = dtype.into();
     let dtypes = [elem, inputs.mask_dtype()];
