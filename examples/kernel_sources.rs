@@ -9,7 +9,8 @@
 //! Register counts, spills and SASS of the kernels (`scripts/ptxas/compile.sh`) need their
 //! source, which CubeCL only produces inside a launch. This runs the public API (bf16, b 1, h 2,
 //! seq 256, per head dim: forward, then forward + backward with the deterministic and the atomic
-//! dQ, each without and with the causal mask; then the forward with a per-pair boolean mask) on
+//! dQ, each without and with the causal mask; then the forward with a per-pair boolean mask, and
+//! the forward + deterministic backward with dropout) on
 //! `FakeCuda`: a runtime with CubeCL's CUDA
 //! compiler and the device properties the CUDA runtime reports for an H100 (sm_90, 132 SMs,
 //! 227 KiB of shared memory per block), whose server compiles each new kernel as the CUDA
@@ -429,6 +430,16 @@ fn main() {
             let mask = Tensor::<Cube, 4, Bool>::empty([1, 1, 256, 256], &Default::default());
             let mask = Some(AttentionMask::Full(mask));
             flash_attention_masked(q, k, v, mask, None, FlashAttentionOptions::default());
+        });
+        // Dropout: the forward, then both backward launches (deterministic dQ).
+        let dropout = FlashAttentionOptions::default().with_dropout(0.1, 7);
+        run(format!("d{d}_dropout"), || {
+            let [q, k, v] = inputs::<Cube>(d);
+            flash_attention(q, k, v, dropout);
+        });
+        run(format!("d{d}_dropout_det"), || {
+            let [q, k, v] = inputs::<Autodiff<Cube>>(d).map(Tensor::require_grad);
+            flash_attention(q, k, v, dropout).backward();
         });
     }
     println!("kernel sources in {}", out.display());

@@ -579,8 +579,8 @@ mod wgpu {
 
     /// Dropout of the probabilities, forward and backward, against the reference given the mask
     /// of the documented generator (`common::dropout_keeps`): alone (with GQA, a seed using both
-    /// halves, a probability of 0.9), then with a mask, a bias, the causal mask, a window and
-    /// the softcap at once.
+    /// halves, a probability of 0.9, 8-key blocks), then with a mask, a bias, the causal mask, a
+    /// window and the softcap at once.
     #[test]
     fn dropout() {
         let none = Spec::from(false);
@@ -595,6 +595,14 @@ mod wgpu {
                 .with_dropout(0.3, 11),
                 Case::new(Problem::square(1, 2, 64, 16), none, MaskInput::None, None)
                     .with_dropout(0.9, u64::MAX - 5),
+                // A value dim above 128 makes 8-key blocks: each register draws its own hash.
+                Case::new(
+                    Problem::cross(1, 1, 20, 44, 16).with_value_dim(136),
+                    none,
+                    MaskInput::None,
+                    None,
+                )
+                .with_dropout(0.4, 9),
             ],
             780,
             Some(TilePath::Portable),
@@ -806,8 +814,9 @@ fn alibi_slopes_match_the_paper() {
 
 /// The documented dropout generator (which the kernels match exactly, see `wgpu::dropout`)
 /// behaves like independent coins: per head, the kept fraction is within 5σ of the threshold's
-/// probability, and neighbouring keys (which share one hash) and neighbouring queries are
-/// uncorrelated within 5σ; two heads of one seed, and two seeds, draw different masks.
+/// probability, and keys that share one hash (`j`, `j + 1` and `j`, `j + 8`) and neighbouring
+/// queries are uncorrelated within 5σ; two heads of one seed, and two seeds, draw different
+/// masks.
 #[test]
 fn dropout_generator_statistics() {
     let n = 256;
@@ -820,7 +829,7 @@ fn dropout_generator_statistics() {
         (both - a * b) / (a * (1.0 - a) * b * (1.0 - b)).sqrt()
     };
     for (prob, seed) in [(0.1, 0u64), (0.5, 12345), (0.8, u64::MAX)] {
-        let keep_prob = common::dropout_threshold(prob) as f64 / 65536.0;
+        let keep_prob = common::dropout_threshold(prob) as f64 / 256.0;
         let mut masks = Vec::new();
         for bh in 0..3 {
             let mask: Vec<bool> = (0..n * n)
@@ -835,10 +844,18 @@ fn dropout_generator_statistics() {
             let keys: Vec<(bool, bool)> = (0..n * n / 2)
                 .map(|pair| (mask[2 * pair], mask[2 * pair + 1]))
                 .collect();
+            let eighth_keys: Vec<(bool, bool)> = (0..n * n)
+                .filter(|at| at % 16 < 8)
+                .map(|at| (mask[at], mask[at + 8]))
+                .collect();
             let queries: Vec<(bool, bool)> = (0..n * (n - 1))
                 .map(|at| (mask[at], mask[at + n]))
                 .collect();
-            for (what, pairs) in [("keys", keys), ("queries", queries)] {
+            for (what, pairs) in [
+                ("keys", keys),
+                ("keys 8 apart", eighth_keys),
+                ("queries", queries),
+            ] {
                 let r = phi(&pairs);
                 let bound = 5.0 / (pairs.len() as f64).sqrt();
                 assert!(

@@ -89,11 +89,12 @@ impl Default for FlashAttentionOptions {
 ///
 /// The decisions are a pure function of `seed` and the position, computed where each
 /// probability is formed (forward and backward alike; nothing is stored): a keyed 32-bit
-/// integer hash of the position gives 16 random bits per pair, compared with
-/// [`keep_threshold`](Self::keep_threshold). The keep probability is therefore `prob` rounded
-/// to a multiple of 2⁻¹⁶, and kept probabilities are scaled by its inverse. Within one head the
-/// random bits never repeat while `seq_q · ⌈seq_k / 2⌉ ≤ 2³²` (e.g. 65536 × 131072); beyond it
-/// they wrap. The exact formula is in `docs/features.md`.
+/// integer hash of the position gives 8 random bits per pair (one hash for four keys of a
+/// query), compared with [`keep_threshold`](Self::keep_threshold). The keep probability is
+/// therefore `1 − prob` rounded to a multiple of 2⁻⁸ (as FlashAttention-2 quantises it), and
+/// kept probabilities are scaled by its inverse, so outputs stay unbiased. Within one head the
+/// random bits never repeat while `seq_q · 4⌈seq_k / 16⌉ ≤ 2³²` (e.g. 65536 × 262144); beyond
+/// it they wrap. The exact formula is in `docs/features.md`.
 ///
 /// Use a new seed for every call that should draw a new mask (every training step, every
 /// layer); [`FlashMultiHeadAttention`](crate::nn::FlashMultiHeadAttention) does.
@@ -105,7 +106,7 @@ impl Default for FlashAttentionOptions {
 ///
 /// let options = FlashAttentionOptions::causal().with_dropout(0.1, 42);
 /// assert_eq!(options.dropout, Some(AttentionDropout { prob: 0.1, seed: 42 }));
-/// assert_eq!(AttentionDropout { prob: 0.1, seed: 42 }.keep_threshold(), 58982);
+/// assert_eq!(AttentionDropout { prob: 0.1, seed: 42 }.keep_threshold(), 230);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionDropout {
@@ -116,22 +117,25 @@ pub struct AttentionDropout {
 }
 
 impl AttentionDropout {
-    /// Kept pairs are those whose 16 random bits are below this: `round((1 − prob) · 2¹⁶)`, at
-    /// least 1.
+    /// Kept pairs are those whose 8 random bits are below this: `round((1 − prob) · 2⁸)`, at
+    /// least 1, and at most 255 when `prob > 0`, so that any positive `prob` drops something
+    /// (2⁻⁸ for `prob` below 2⁻⁹).
     ///
     /// # Example
     ///
     /// ```
     /// use burn_flash::AttentionDropout;
     ///
-    /// assert_eq!(AttentionDropout { prob: 0.5, seed: 0 }.keep_threshold(), 32768);
-    /// assert_eq!(AttentionDropout { prob: 0.0, seed: 0 }.keep_threshold(), 65536);
+    /// assert_eq!(AttentionDropout { prob: 0.5, seed: 0 }.keep_threshold(), 128);
+    /// assert_eq!(AttentionDropout { prob: 0.001, seed: 0 }.keep_threshold(), 255);
+    /// assert_eq!(AttentionDropout { prob: 0.0, seed: 0 }.keep_threshold(), 256);
     /// ```
     pub fn keep_threshold(&self) -> u32 {
-        (((1.0 - self.prob) * 65536.0).round() as u32).clamp(1, 1 << 16)
+        let most = if self.prob > 0.0 { 255 } else { 256 };
+        (((1.0 - self.prob) * 256.0).round() as u32).clamp(1, most)
     }
 
-    /// Whether any probability can be dropped (`prob > 0` after rounding to 2⁻¹⁶).
+    /// Whether any probability can be dropped (`prob > 0`).
     ///
     /// # Example
     ///
@@ -142,7 +146,7 @@ impl AttentionDropout {
     /// assert!(!AttentionDropout { prob: 0.0, seed: 0 }.is_active());
     /// ```
     pub fn is_active(&self) -> bool {
-        self.keep_threshold() < 1 << 16
+        self.keep_threshold() < 256
     }
 }
 

@@ -244,9 +244,10 @@ fn lowbias32(value: u32) -> u32 {
     x ^ (x >> 16)
 }
 
-/// Dropout's keep threshold out of 2¹⁶ for probability `prob`, as documented.
+/// Dropout's keep threshold out of 2⁸ for probability `prob`, as documented.
 pub fn dropout_threshold(prob: f64) -> u32 {
-    (((1.0 - prob) * 65536.0).round() as u32).clamp(1, 1 << 16)
+    let most = if prob > 0.0 { 255 } else { 256 };
+    (((1.0 - prob) * 256.0).round() as u32).clamp(1, most)
 }
 
 /// Whether dropout of `prob` seeded by `seed` keeps query `i`, key `j` of flattened head `bh`
@@ -255,23 +256,20 @@ pub fn dropout_threshold(prob: f64) -> u32 {
 pub fn dropout_keeps(seed: u64, prob: f64, bh: usize, i: usize, j: usize, seq_k: usize) -> bool {
     let (lo, hi) = (seed as u32, (seed >> 32) as u32);
     let head_key = lowbias32(lo ^ lowbias32(hi ^ lowbias32(bh as u32)));
+    let group = (j / 16 * 4 + j / 2 % 4) as u32;
     let counter = (i as u32)
-        .wrapping_mul(seq_k.div_ceil(2) as u32)
-        .wrapping_add((j / 2) as u32);
+        .wrapping_mul((seq_k.div_ceil(16) * 4) as u32)
+        .wrapping_add(group);
     let bits = lowbias32(counter.wrapping_add(head_key));
-    let half = if j.is_multiple_of(2) {
-        bits & 0xFFFF
-    } else {
-        bits >> 16
-    };
-    half < dropout_threshold(prob)
+    let byte = (j % 2 + j / 8 % 2 * 2) as u32;
+    (bits >> (8 * byte)) & 0xFF < dropout_threshold(prob)
 }
 
 impl Scores {
     /// These inputs with dropout of `prob` seeded by `seed`: factor 0 for dropped pairs,
-    /// `2¹⁶ / threshold` for kept ones.
+    /// `2⁸ / threshold` for kept ones.
     pub fn with_dropout(self, p: &Problem, prob: f64, seed: u64) -> Self {
-        let scale = 65536.0 / dropout_threshold(prob) as f64;
+        let scale = 256.0 / dropout_threshold(prob) as f64;
         let (sq, sk) = (p.seq_q, p.seq_k);
         let keep = (0..p.batch * p.heads * sq * sk)
             .map(|at| {

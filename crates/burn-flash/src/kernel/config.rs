@@ -305,6 +305,44 @@ impl TileConfig {
         }
     }
 
+    /// How score register `reg` draws dropout's bits (`kernel/dropout.rs`): one hash per query
+    /// and key group `{16u + 2s, +1, +8, +9}`, drawn by the first register of the group this
+    /// unit holds. The tensor-core accumulator holds columns `2t`, `2t + 1` of n-tiles `2u` and
+    /// `2u + 1` (one group of a query) in registers `r`, `r + 1`, `r + 4`, `r + 5`; transposed,
+    /// keys `g` and `g + 8` of one query in registers `r` and `r + 2`.
+    pub fn dropout_draw(&self, reg: usize, transposed: bool) -> DropoutDraw {
+        let known = |owner: usize, byte: usize| DropoutDraw {
+            owner,
+            byte: Some(byte),
+            affine: true,
+        };
+        match (self.tile, transposed) {
+            (TilePath::TensorCore, false) if self.score_cols().is_multiple_of(16) => {
+                known(reg & !0b101, (reg >> 2 & 1) << 1 | reg & 1)
+            }
+            (TilePath::Portable, false) if self.block_kv.is_multiple_of(16) => {
+                known(reg & !0b1001, (reg >> 3 & 1) << 1 | reg & 1)
+            }
+            // The byte depends on the lane's key (`g` odd or even).
+            (TilePath::TensorCore, true) => DropoutDraw {
+                owner: reg & !2,
+                byte: None,
+                affine: true,
+            },
+            // One key (the unit's row), a query per register.
+            (TilePath::Portable, true) => DropoutDraw {
+                owner: reg,
+                byte: None,
+                affine: true,
+            },
+            _ => DropoutDraw {
+                owner: reg,
+                byte: None,
+                affine: false,
+            },
+        }
+    }
+
     /// Column of score register `reg` past the unit's first (register 0's) in the forward: the
     /// tensor-core accumulator holds columns 8t + 2·(lane % 4) and the next of n-tile `t`, a
     /// portable unit column `reg` of its row.
@@ -475,7 +513,19 @@ pub struct ScoreParams {
     pub alibi_pow2: Option<u32>,
 }
 
-/// The launch arguments of dropout: the seed's halves and the keep threshold out of 2¹⁶.
+/// How one score register draws dropout's bits ([`TileConfig::dropout_draw`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DropoutDraw {
+    /// The register that hashes the group's counter.
+    pub owner: usize,
+    /// The byte of the hash this register reads, when known at compile time.
+    pub byte: Option<usize>,
+    /// Whether the owner's counter is register 0's plus the steps of its row and key (the
+    /// owner's key is register 0's plus a multiple of 8 that carries into no bit below 4).
+    pub affine: bool,
+}
+
+/// The launch arguments of dropout: the seed's halves and the keep threshold out of 2⁸.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DropoutParams {
     pub seed_lo: u32,
@@ -550,7 +600,7 @@ impl ScoreParams {
         } = self.dropout.unwrap_or(DropoutParams {
             seed_lo: 0,
             seed_hi: 0,
-            threshold: 1 << 16,
+            threshold: 256,
         });
         (seed_lo, seed_hi, threshold)
     }
@@ -596,5 +646,77 @@ mod tests {
         assert_eq!(cfg.score_col_step(31), 57);
         assert_eq!(cfg.score_col_step(32), 0);
         assert_eq!(TileConfig::portable(64, 64).score_col_step(5), 5);
+    }
+
+    /// Dropout's draws against a model of the score registers (the m16n8 accumulator: lane
+    /// `4g + t` holds columns `2t`, `2t + 1` of rows `g`, `g + 8`; a portable unit one row):
+    /// every register shares its owner's query and key group, reads the byte its key names,
+    /// and an affine owner's group is register 0's plus the step `keep_mask` adds.
+    #[test]
+    fn dropout_draws_match_the_register_layout() {
+        let group = |key: usize| key / 16 * 4 + key / 2 % 4;
+        let byte = |key: usize| key % 2 + key / 8 % 2 * 2;
+        // (row, column) of score register `reg` of unit `unit`.
+        type Layout = fn(TileConfig, usize, usize) -> (usize, usize);
+        let tensor_core: Layout = |cfg, lane, reg| {
+            let per_m_tile = cfg.score_cols() / MMA_N * 4;
+            let (m, local) = (reg / per_m_tile, reg % per_m_tile);
+            let row = m * MMA_M + lane / 4 + local % 4 / 2 * 8;
+            (row, local / 4 * MMA_N + lane % 4 * 2 + local % 2)
+        };
+        let portable: Layout = |_cfg, unit, reg| (unit, reg);
+        let layouts = [
+            (TileConfig::tensor_core(64, 64, 4, 32, 64), tensor_core),
+            (TileConfig::tensor_core(128, 128, 4, 32, 32), tensor_core),
+            (
+                TileConfig::tensor_core(128, 128, 8, 32, 64).with_split(2),
+                tensor_core,
+            ),
+            (TileConfig::portable(64, 64), portable),
+            (TileConfig::portable(16, 136), portable),
+        ];
+        for (cfg, position) in layouts {
+            for transposed in [false, true] {
+                let starts = [0, cfg.block_kv, 3 * cfg.block_kv];
+                for (unit, start) in (0..32).flat_map(|u| starts.map(|s| (u, s))) {
+                    // (query, key) of a register, the block's keys starting at `start` (a
+                    // multiple of the block: 8 keys for the last portable tile).
+                    let pair = |reg: usize| {
+                        let (row, col) = position(cfg, unit, reg);
+                        if transposed {
+                            (col, start + row)
+                        } else {
+                            (row, start + col)
+                        }
+                    };
+                    let (query0, key0) = pair(0);
+                    for reg in 0..cfg.score_regs() {
+                        let draw = cfg.dropout_draw(reg, transposed);
+                        let ((query, key), (owner_query, owner_key)) =
+                            (pair(reg), pair(draw.owner));
+                        let label =
+                            format!("{cfg:?} transposed {transposed} unit {unit} reg {reg}");
+                        assert!(draw.owner <= reg, "{label}");
+                        assert_eq!(
+                            (query, group(key)),
+                            (owner_query, group(owner_key)),
+                            "{label}"
+                        );
+                        if let Some(b) = draw.byte {
+                            assert_eq!(b, byte(key), "{label}");
+                        }
+                        if draw.affine && draw.owner == reg {
+                            let step = key - key0;
+                            assert!(query >= query0, "{label}");
+                            assert_eq!(
+                                group(key),
+                                group(key0) + step / 16 * 4 + step / 2 % 4,
+                                "{label}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }
