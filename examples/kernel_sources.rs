@@ -9,8 +9,8 @@
 //! Register counts, spills and SASS of the kernels (`scripts/ptxas/compile.sh`) need their
 //! source, which CubeCL only produces inside a launch. This runs the public API (bf16, b 1, h 2,
 //! seq 256, per head dim: forward, then forward + backward with the deterministic and the atomic
-//! dQ, each without and with the causal mask; then the forward with a per-pair boolean mask, and
-//! the forward + deterministic backward with dropout) on
+//! dQ, each without and with the causal mask; then the forward with a per-pair boolean mask,
+//! with a bias, and the forward + deterministic backward with dropout) on
 //! `FakeCuda`: a runtime with CubeCL's CUDA
 //! compiler and the device properties the CUDA runtime reports for an H100 (sm_90, 132 SMs,
 //! 227 KiB of shared memory per block), whose server compiles each new kernel as the CUDA
@@ -430,6 +430,12 @@ fn main() {
             let mask = Tensor::<Cube, 4, Bool>::empty([1, 1, 256, 256], &Default::default());
             let mask = Some(AttentionMask::Full(mask));
             flash_attention_masked(q, k, v, mask, None, FlashAttentionOptions::default());
+        });
+        // The forward with a `[1, h, n, n]` bias (staged in shared memory).
+        run(format!("d{d}_bias"), || {
+            let [q, k, v] = inputs::<Cube>(d);
+            let bias = Tensor::<Cube, 4>::empty([1, 2, 256, 256], &Default::default());
+            flash_attention_masked(q, k, v, None, Some(bias), FlashAttentionOptions::default());
         });
         // Dropout: the forward, then both backward launches (deterministic dQ).
         let dropout = FlashAttentionOptions::default().with_dropout(0.1, 7);
