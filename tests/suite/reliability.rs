@@ -1,6 +1,6 @@
 //! Reliability: random shapes and options from a fixed seed list, logits up to ±1e4, non-finite
-//! inputs, many threads calling at once, and (CUDA) sequences of 256k keys, tensors of more than
-//! 2^31 elements, and the ragged shapes `compute-sanitizer` runs over (`scripts/gpu-run.sh
+//! inputs, many threads calling at once, and (CUDA) sequences of 256k keys, tensors, masks and
+//! biases of more than 2^31 elements, and the ragged shapes `compute-sanitizer` runs over (`scripts/gpu-run.sh
 //! sanitize`). The checks are generic over the backend; `wgpu` runs them on the portable tile
 //! (lavapipe in CI), `cuda` on the tensor-core tile.
 
@@ -458,6 +458,7 @@ mod cuda {
     use burn::backend::{Autodiff, Cuda};
     use burn::tensor::Distribution;
     use burn::tensor::backend::Backend;
+    use burn_flash::{AttentionMask, flash_attention_masked};
     use common::{reference_row_keys, unfused_row_keys, unit_roundoff};
 
     type B = Autodiff<Cuda<half::bf16>>;
@@ -695,6 +696,134 @@ mod cuda {
         }
         eprintln!(
             "b {b} h {h} n {n} d {d}: forward, backward and checks in {:.2?}",
+            started.elapsed()
+        );
+        assert_none(failures);
+    }
+
+    /// A mask and a bias of more than 2^31 elements each (`[1, 3, 32768, 32768]`: 3.2e9, the
+    /// bias 6.4 GB in bf16) beside small `q`, `k`, `v` (`[1, 3, 32768, 64]`): the launches must
+    /// take 64-bit indexing from the mask, the bias and the bias gradient alone. Sampled rows of
+    /// the last head (wholly past 2^31) and the first: the output by the unfused rule, the bias
+    /// gradient within 16 units of bf16 roundoff of the f64 reference.
+    #[test]
+    fn mask_and_bias_beyond_2_pow_31_elements_cuda() {
+        let Some(device) = cuda_device("mask_and_bias_beyond_2_pow_31_elements_cuda") else {
+            return;
+        };
+        burn_flash::testing::poison_outputs(true);
+        let (h, n, d) = (3, 1 << 15, 64);
+        assert!(h * n * n > 1 << 31 && h * n * d < 1 << 31);
+        let started = std::time::Instant::now();
+        B::seed(&device, 2032);
+        let random = |dims: [usize; 4]| {
+            Tensor::<B, 4>::random(dims, Distribution::Normal(0.0, 1.0), (&device, DType::BF16))
+        };
+        let (q, k, v, g) = (
+            random([1, h, n, d]),
+            random([1, h, n, d]),
+            random([1, h, n, d]),
+            random([1, h, n, d]),
+        );
+        let bias = random([1, h, n, n]).require_grad();
+        // About 10 % of the pairs hidden.
+        let mask = Tensor::<B, 4>::random(
+            [1, h, n, n],
+            Distribution::Uniform(0.0, 1.0),
+            (&device, DType::BF16),
+        )
+        .lower_elem(0.1);
+        let out = flash_attention_masked(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            Some(AttentionMask::Full(mask.clone())),
+            Some(bias.clone()),
+            FlashAttentionOptions::default(),
+        );
+        let grads = (out.clone() * g.clone()).sum().backward();
+        let dbias = Tensor::<B, 4>::from_inner(bias.grad(&grads).unwrap());
+        let scale = 1.0 / (d as f64).sqrt();
+        let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+        let mut failures = Vec::new();
+        for hi in [h - 1, 0] {
+            let head = |t: &Tensor<B, 4>| {
+                let values = to_host(t.clone().slice([0..1, hi..hi + 1]));
+                values.into_iter().map(|x| x as f32).collect::<Vec<f32>>()
+            };
+            let (hq, hk, hv, hg) = (head(&q), head(&k), head(&v), head(&g));
+            let (k64, v64) = (widen(&hk), widen(&hv));
+            for i in [n - 1, n / 2 + 17, 0] {
+                let row = |t: Tensor<B, 4>| t.slice([0..1, hi..hi + 1, i..i + 1]);
+                let hidden: Vec<bool> = (mask.clone().slice([0..1, hi..hi + 1, i..i + 1]))
+                    .into_data()
+                    .iter::<bool>()
+                    .collect();
+                let bias_row = to_host(row(bias.clone().detach()));
+                let seen: Vec<usize> = (0..n).filter(|&j| !hidden[j]).collect();
+                let (q_row, g_row) = (&hq[i * d..(i + 1) * d], widen(&hg[i * d..(i + 1) * d]));
+                let spec = Spec::default();
+                let (reference, _) = reference_row_keys(
+                    &widen(q_row),
+                    &k64,
+                    &v64,
+                    d,
+                    &seen,
+                    scale,
+                    &spec,
+                    Some(&bias_row),
+                    None,
+                );
+                let unfused = unfused_row_keys(
+                    q_row,
+                    &hk,
+                    &hv,
+                    d,
+                    &seen,
+                    scale,
+                    &spec,
+                    Some(&bias_row),
+                    None,
+                    DType::BF16,
+                );
+                let label = format!("h {h} n {n}: head {hi} row {i}");
+                failures.extend(twice_unfused(
+                    &label,
+                    "output",
+                    &to_host(row(out.clone().detach())),
+                    &unfused,
+                    &reference,
+                    d,
+                    DType::BF16,
+                    0.0,
+                ));
+                // dBias = P ∘ (dP − D) on the seen keys, 0 on the hidden ones.
+                let scores: Vec<f64> = seen
+                    .iter()
+                    .map(|&j| scale * dot(&widen(q_row), &k64[j * d..(j + 1) * d]) + bias_row[j])
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = weights.iter().sum();
+                let dp: Vec<f64> = seen
+                    .iter()
+                    .map(|&j| dot(&g_row, &v64[j * d..(j + 1) * d]))
+                    .collect();
+                let row_dot: f64 = weights.iter().zip(&dp).map(|(w, p)| w / sum * p).sum();
+                let mut expected = vec![0.0; n];
+                for ((&j, w), p) in seen.iter().zip(&weights).zip(&dp) {
+                    expected[j] = w / sum * (p - row_dot);
+                }
+                let err = error(&to_host(row(dbias.clone())), &expected, n);
+                eprintln!("{label}: dbias {err}");
+                if !(err.finite() && err.relative <= 16.0 * unit_roundoff(DType::BF16)) {
+                    failures.push(format!("{label}: dbias {err}"));
+                }
+            }
+        }
+        eprintln!(
+            "h {h} n {n} d {d}: mask and bias of {} elements, forward, backward and checks in {:.2?}",
+            h * n * n,
             started.elapsed()
         );
         assert_none(failures);
