@@ -81,6 +81,17 @@ pub struct TileConfig {
 pub struct Staged {
     pub mask: Option<usize>,
     pub bias: Option<usize>,
+    /// The bias has one stage, filled at the start of the iteration that reads it (the copy
+    /// overlaps that block's score product) instead of a block ahead: 16 KiB less per cube,
+    /// which keeps two cubes per SM where two stages would leave one.
+    pub bias_single: bool,
+}
+
+impl Staged {
+    /// Stages of the staged bias.
+    pub fn bias_stages(&self) -> usize {
+        if self.bias_single { 1 } else { 2 }
+    }
 }
 
 /// Which bounds hide keys around the diagonal (see [`mask`](super::mask)), and whether a boolean
@@ -416,17 +427,20 @@ impl TileConfig {
         self.block_kv / 32
     }
 
-    /// Bytes of the two stages of each staged score input (elements of `16 / chunk` bytes).
+    /// Bytes of the stages of each staged score input (elements of `16 / chunk` bytes).
     fn staged_bytes(&self) -> usize {
-        let mask = self.staged.mask.map(|chunk| (self.mask_stage_len(), chunk));
-        let bias = self
+        let mask = self
             .staged
-            .bias
-            .map(|chunk| (self.block_q * self.block_kv, chunk));
+            .mask
+            .map(|chunk| (2 * self.mask_stage_len(), chunk));
+        let bias = self.staged.bias.map(|chunk| {
+            let len = self.staged.bias_stages() * self.block_q * self.block_kv;
+            (len, chunk)
+        });
         [mask, bias]
             .into_iter()
             .flatten()
-            .map(|(len, chunk)| 2 * len * (16 / chunk))
+            .map(|(len, chunk)| len * (16 / chunk))
             .sum()
     }
 

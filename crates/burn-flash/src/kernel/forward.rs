@@ -8,13 +8,14 @@
 //! probabilities after the softmax statistics saw them, so the normaliser and the log-sum-exp
 //! are those of the full row.
 
+use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::TilePath;
 use super::config::TileConfig;
 use super::dropout::{Dropout, keep_mask};
 use super::inputs::{
-    Views, add_bias, alibi_slope, block_visible, fetch_inputs, hidden_row, hide_packed,
+    Views, add_bias, alibi_slope, block_visible, fetch_bias, fetch_inputs, hidden_row, hide_packed,
     input_stages, packed_block, visible_range,
 };
 use super::mask::{Band, apply_mask, kv_blocks};
@@ -186,7 +187,8 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
 }
 
 /// Scores, bias, masking, online softmax and P·V for the KV block staged at `stage` (with its
-/// mask and bias blocks, where those are staged).
+/// mask and bias blocks, where those are staged; a single-stage bias block lands on
+/// `bias_ready` while the scores are computed).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
@@ -195,6 +197,7 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     bias: &ComptimeOption<Tensor<E>>,
     mask_stages: &ComptimeOption<SharedMemory<M>>,
     bias_stages: &ComptimeOption<SharedMemory<E>>,
+    bias_ready: &ComptimeOption<Shared<Barrier>>,
     keys: &SharedMemory<E>,
     values: &SharedMemory<E>,
     stage: usize,
@@ -215,11 +218,16 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
             cfg.softcap_outer_in_scale(),
         );
     }
+    #[comptime]
+    if let ComptimeOption::Some(ready) = bias_ready {
+        ready.arrive_and_wait();
+    }
+    let bias_stage = stage % comptime!(cfg.staged.bias_stages());
     add_bias::<E, T>(
         &mut scores,
         bias,
         bias_stages,
-        stage * comptime!(cfg.block_q * cfg.block_kv),
+        bias_stage * comptime!(cfg.block_q * cfg.block_kv),
         coords.views.bias,
         coords.band,
         coords.q_start,
@@ -294,9 +302,14 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
         SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.head_stride()), 16usize);
     let mut values =
         SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.value_stride()), 16usize);
-    let mut mask_stages = input_stages::<M>(cfg.staged.mask, cfg.mask_stage_len());
-    let mut bias_stages = input_stages::<E>(cfg.staged.bias, cfg.block_q * cfg.block_kv);
+    let mut mask_stages = input_stages::<M>(cfg.staged.mask, cfg.mask_stage_len(), 2usize);
+    let mut bias_stages = input_stages::<E>(
+        cfg.staged.bias,
+        cfg.block_q * cfg.block_kv,
+        cfg.staged.bias_stages(),
+    );
     let barriers = StageBarriers::new();
+    let bias_ready = single_bias_barrier(cfg);
     sync_cube();
 
     // A packed mask's block flags are read an iteration before the one that fetches the block,
@@ -328,6 +341,18 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
         let stage = (block - first) % 2;
         barriers.wait(stage);
         let visible_after = block_visible(hidden_blocks, row, min(block + 2, last));
+        // Every unit is past the previous block: a single-stage bias may be refilled. Its
+        // copies are issued before the next block's, which its barrier must not wait for.
+        if visible {
+            fetch_single_bias::<E>(
+                bias,
+                &mut bias_stages,
+                &bias_ready,
+                coords,
+                block * cfg.block_kv,
+                cfg,
+            );
+        }
         if block + 1 < end && visible_next {
             fetch_block::<E, M>(
                 k,
@@ -352,6 +377,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
                 bias,
                 &mask_stages,
                 &bias_stages,
+                &bias_ready,
                 &keys,
                 &values,
                 stage,
@@ -416,6 +442,43 @@ fn fetch_block<E: Float, M: Int>(
     barriers.commit(stage);
 }
 
+/// Issue the copies of the single-stage bias block of the keys from `kv_start`, completing on
+/// `bias_ready`, if the bias is staged that way.
+#[cube]
+fn fetch_single_bias<E: Float>(
+    bias: &ComptimeOption<Tensor<E>>,
+    bias_stages: &mut ComptimeOption<SharedMemory<E>>,
+    bias_ready: &ComptimeOption<Shared<Barrier>>,
+    coords: Coords,
+    kv_start: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    #[comptime]
+    if let ComptimeOption::Some(ready) = bias_ready {
+        fetch_bias::<E>(
+            bias,
+            bias_stages,
+            coords.views,
+            coords.band,
+            coords.q_start,
+            kv_start,
+            0usize,
+            cfg,
+        );
+        ready.commit_copy_async();
+    }
+}
+
+/// The barrier a single-stage bias block lands on, if the bias is staged that way.
+#[cube]
+fn single_bias_barrier(#[comptime] cfg: TileConfig) -> ComptimeOption<Shared<Barrier>> {
+    if comptime!(cfg.staged.bias.is_some() && cfg.staged.bias_single) {
+        ComptimeOption::new_Some(Barrier::shared(CUBE_DIM, UNIT_POS == 0))
+    } else {
+        ComptimeOption::new_None()
+    }
+}
+
 /// Blocks `[first, end)` through one shared-memory stage filled by plain loads, the cube
 /// synchronised around it; the query rows are returned for the epilogue.
 #[cube]
@@ -467,6 +530,7 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
             &query,
             mask,
             bias,
+            &ComptimeOption::new_None(),
             &ComptimeOption::new_None(),
             &ComptimeOption::new_None(),
             &keys,

@@ -344,15 +344,16 @@ pub fn add_bias<E: Float, T: AttentionTile<E>>(
     }
 }
 
-/// Two stages of a staged score input's blocks of `len` elements, if `chunk` (its elements per
-/// 16 bytes) says it is staged.
+/// `stages` stages of a staged score input's blocks of `len` elements, if `chunk` (its elements
+/// per 16 bytes) says it is staged.
 #[cube]
 pub fn input_stages<N: CubePrimitive>(
     #[comptime] chunk: Option<usize>,
     #[comptime] len: usize,
+    #[comptime] stages: usize,
 ) -> ComptimeOption<SharedMemory<N>> {
     if comptime!(chunk.is_some()) {
-        let len = comptime!(2 * len);
+        let len = comptime!(stages * len);
         ComptimeOption::new_Some(SharedMemory::<N>::new_aligned(len, 16usize))
     } else {
         ComptimeOption::new_None()
@@ -360,7 +361,8 @@ pub fn input_stages<N: CubePrimitive>(
 }
 
 /// Issue the asynchronous copies of the staged inputs' blocks for the queries from `q_start`
-/// and the keys from `kv_start` into stage `stage` (0 or 1).
+/// and the keys from `kv_start` into stage `stage` (0 or 1); a single-stage bias is left to
+/// [`fetch_bias`].
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn fetch_inputs<E: Float, M: Int>(
@@ -391,12 +393,39 @@ pub fn fetch_inputs<E: Float, M: Int>(
             }
         }
     }
+    if comptime!(!cfg.staged.bias_single) {
+        fetch_bias::<E>(
+            bias,
+            bias_stages,
+            views,
+            band,
+            q_start,
+            kv_start,
+            stage * comptime!(cfg.block_q * cfg.block_kv),
+            cfg,
+        );
+    }
+}
+
+/// Issue the asynchronous copies of the staged bias block for the queries from `q_start` and
+/// the keys from `kv_start` to `base` in `bias_stages`, if the bias is staged.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn fetch_bias<E: Float>(
+    bias: &ComptimeOption<Tensor<E>>,
+    bias_stages: &mut ComptimeOption<SharedMemory<E>>,
+    views: Views,
+    band: Band,
+    q_start: usize,
+    kv_start: usize,
+    base: usize,
+    #[comptime] cfg: TileConfig,
+) {
     #[comptime]
     if let ComptimeOption::Some(stages) = bias_stages {
         #[comptime]
         if let ComptimeOption::Some(bias) = bias {
             let chunk = comptime!(cfg.staged.bias.unwrap());
-            let base = stage * comptime!(cfg.block_q * cfg.block_kv);
             copy_input_async::<E>(
                 bias,
                 views.bias,

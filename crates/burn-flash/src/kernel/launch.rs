@@ -298,7 +298,8 @@ fn stage_inputs<R: CubeRuntime>(
 /// (`seq_k` a multiple of the chunk: every stride of a contiguous input is a multiple of
 /// `seq_k`, and buffers start aligned), a bias only where a block's row fills whole 128-byte
 /// lines (its `ldmatrix` swizzle), as many of them as the device's shared memory holds beside
-/// the K/V stages (the mask first, the smaller). The others are read in place.
+/// the K/V stages (the mask first, the smaller). The others are read in place. The bias gets one
+/// stage instead of two where that keeps more cubes per SM (head dim 128 on an H100).
 /// `BURN_FLASH_STAGE_INPUTS=0` reads both in place (tuning runs).
 fn staging<R: CubeRuntime>(
     client: &ComputeClient<R>,
@@ -324,21 +325,60 @@ fn staging<R: CubeRuntime>(
         chunk(&inputs.mask)
     };
     let bias = chunk(&inputs.bias).filter(|&chunk| (cfg.block_kv / chunk).is_multiple_of(8));
-    [
-        Staged { mask, bias },
-        Staged { mask, bias: None },
-        Staged { mask: None, bias },
+    let bytes = |staged: Staged| cfg.with_staged(staged).shared_bytes(dtype.size());
+    let staged = [
+        Staged {
+            mask,
+            bias,
+            ..Staged::default()
+        },
+        Staged {
+            mask,
+            ..Staged::default()
+        },
+        Staged {
+            bias,
+            ..Staged::default()
+        },
     ]
     .into_iter()
-    .find(|&staged| {
-        fits_shared(
-            client,
-            "forward",
-            cfg.with_staged(staged).shared_bytes(dtype.size()),
-        )
-        .is_ok()
+    .find(|&staged| fits_shared(client, "forward", bytes(staged)).is_ok())
+    .unwrap_or_default();
+    let single = Staged {
+        bias_single: true,
+        ..staged
+    };
+    let prefer_single = match bias_stages_override() {
+        Some(stages) => stages == 1,
+        None => cubes_per_sm(client, bytes(single)) > cubes_per_sm(client, bytes(staged)),
+    };
+    if staged.bias.is_some() && prefer_single {
+        single
+    } else {
+        staged
+    }
+}
+
+/// Cubes of the tensor-core forward an SM holds with `bytes` of shared memory each: an SM has
+/// 1 KiB more than one cube may use and reserves 1 KiB per cube, and at up to 255 registers
+/// for each of a cube's 128 units the register file holds two.
+fn cubes_per_sm<R: CubeRuntime>(client: &ComputeClient<R>, bytes: usize) -> usize {
+    let per_sm = client.properties().hardware.max_shared_memory_size + 1024;
+    (per_sm / (bytes + 1024)).min(2)
+}
+
+/// `BURN_FLASH_BIAS_STAGES=1|2`: the staged bias's stages for tuning runs, whatever keeps more
+/// cubes per SM.
+fn bias_stages_override() -> Option<usize> {
+    static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
+    *OVERRIDE.get_or_init(|| {
+        let text = std::env::var("BURN_FLASH_BIAS_STAGES").ok()?;
+        let stages = text.trim().parse().ok().filter(|s| matches!(s, 1 | 2));
+        if stages.is_none() {
+            log::warn!("ignoring BURN_FLASH_BIAS_STAGES={text:?}: expected 1 or 2");
+        }
+        stages
     })
-    .unwrap_or_default()
 }
 
 /// The mask and bias inputs of a launch, contiguous, the mask's booleans as integers.
