@@ -498,21 +498,23 @@ mod cuda {
         assert_none(concurrent_calls::<B>(&device, DType::BF16, 64));
     }
 
-    /// dQ of one query row in f64: `scale · Σ_j P_j (dP_j − D) k_j` over the keys `seen`, with
-    /// `dP_j = dO·v_j` and `D = Σ_j P_j dP_j`.
-    fn reference_dq_row(
+    /// The scores' gradient `dS_j = P_j (dP_j − D)` of one query row in f64 over the keys
+    /// `seen`, with `P` the softmax of `scale · q·k_j + bias_j`, `dP_j = dO·v_j` and
+    /// `D = Σ_j P_j dP_j`.
+    fn reference_ds_row(
         q_row: &[f64],
         keys: &[f64],
         values: &[f64],
         g_row: &[f64],
         seen: &[usize],
         scale: f64,
+        bias: Option<&[f64]>,
     ) -> Vec<f64> {
         let (d, dv) = (q_row.len(), g_row.len());
         let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
         let scores: Vec<f64> = seen
             .iter()
-            .map(|&j| scale * dot(q_row, &keys[j * d..(j + 1) * d]))
+            .map(|&j| scale * dot(q_row, &keys[j * d..(j + 1) * d]) + bias.map_or(0.0, |b| b[j]))
             .collect();
         let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
@@ -522,11 +524,29 @@ mod cuda {
             .map(|&j| dot(g_row, &values[j * dv..(j + 1) * dv]))
             .collect();
         let row_dot: f64 = weights.iter().zip(&dp).map(|(w, p)| w / sum * p).sum();
+        weights
+            .iter()
+            .zip(&dp)
+            .map(|(w, p)| w / sum * (p - row_dot))
+            .collect()
+    }
+
+    /// dQ of one query row in f64: `scale · Σ_j dS_j k_j` over the keys `seen`
+    /// ([`reference_ds_row`]).
+    fn reference_dq_row(
+        q_row: &[f64],
+        keys: &[f64],
+        values: &[f64],
+        g_row: &[f64],
+        seen: &[usize],
+        scale: f64,
+    ) -> Vec<f64> {
+        let d = q_row.len();
+        let ds = reference_ds_row(q_row, keys, values, g_row, seen, scale, None);
         let mut dq = vec![0.0; d];
-        for ((&j, w), p) in seen.iter().zip(&weights).zip(&dp) {
-            let ds = w / sum * (p - row_dot) * scale;
+        for (&j, ds) in seen.iter().zip(&ds) {
             for (o, k) in dq.iter_mut().zip(&keys[j * d..(j + 1) * d]) {
-                *o += ds * k;
+                *o += ds * scale * k;
             }
         }
         dq
@@ -744,7 +764,6 @@ mod cuda {
         let grads = (out.clone() * g.clone()).sum().backward();
         let dbias = Tensor::<B, 4>::from_inner(bias.grad(&grads).unwrap());
         let scale = 1.0 / (d as f64).sqrt();
-        let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
         let mut failures = Vec::new();
         for hi in [h - 1, 0] {
             let head = |t: &Tensor<B, 4>| {
@@ -797,22 +816,19 @@ mod cuda {
                     DType::BF16,
                     0.0,
                 ));
-                // dBias = P ∘ (dP − D) on the seen keys, 0 on the hidden ones.
-                let scores: Vec<f64> = seen
-                    .iter()
-                    .map(|&j| scale * dot(&widen(q_row), &k64[j * d..(j + 1) * d]) + bias_row[j])
-                    .collect();
-                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-                let sum: f64 = weights.iter().sum();
-                let dp: Vec<f64> = seen
-                    .iter()
-                    .map(|&j| dot(&g_row, &v64[j * d..(j + 1) * d]))
-                    .collect();
-                let row_dot: f64 = weights.iter().zip(&dp).map(|(w, p)| w / sum * p).sum();
+                // dBias = dS on the seen keys, 0 on the hidden ones.
+                let ds = reference_ds_row(
+                    &widen(q_row),
+                    &k64,
+                    &v64,
+                    &g_row,
+                    &seen,
+                    scale,
+                    Some(&bias_row),
+                );
                 let mut expected = vec![0.0; n];
-                for ((&j, w), p) in seen.iter().zip(&weights).zip(&dp) {
-                    expected[j] = w / sum * (p - row_dot);
+                for (&j, ds) in seen.iter().zip(ds) {
+                    expected[j] = ds;
                 }
                 let err = error(&to_host(row(dbias.clone())), &expected, n);
                 eprintln!("{label}: dbias {err}");

@@ -320,15 +320,18 @@ impl TileConfig {
     /// and key group `{16u + 2s, +1, +8, +9}`, drawn by the first register of the group this
     /// unit holds. The tensor-core accumulator holds columns `2t`, `2t + 1` of n-tiles `2u` and
     /// `2u + 1` (one group of a query) in registers `r`, `r + 1`, `r + 4`, `r + 5`; transposed,
-    /// keys `g` and `g + 8` of one query in registers `r` and `r + 2`.
+    /// keys `g` and `g + 8` of one query in registers `r` and `r + 2`. Every drawing register's
+    /// key is register 0's plus a step that carries into no bit below 4, so its group is
+    /// register 0's plus the step's (`keep_mask` adds it).
     pub fn dropout_draw(&self, reg: usize, transposed: bool) -> DropoutDraw {
         let known = |owner: usize, byte: usize| DropoutDraw {
             owner,
             byte: Some(byte),
-            affine: true,
         };
         match (self.tile, transposed) {
-            (TilePath::TensorCore, false) if self.score_cols().is_multiple_of(16) => {
+            (TilePath::TensorCore, false) => {
+                // Every block shape the launches build has whole 16-key groups per plane.
+                assert!(self.score_cols().is_multiple_of(16), "{self:?}");
                 known(reg & !0b101, (reg >> 2 & 1) << 1 | reg & 1)
             }
             (TilePath::Portable, false) if self.block_kv.is_multiple_of(16) => {
@@ -338,18 +341,12 @@ impl TileConfig {
             (TilePath::TensorCore, true) => DropoutDraw {
                 owner: reg & !2,
                 byte: None,
-                affine: true,
             },
-            // One key (the unit's row), a query per register.
-            (TilePath::Portable, true) => DropoutDraw {
+            // A hash per register: transposed, the unit's one key for a query per register;
+            // else 8-key blocks, which hold half a group.
+            (TilePath::Portable, _) => DropoutDraw {
                 owner: reg,
                 byte: None,
-                affine: true,
-            },
-            _ => DropoutDraw {
-                owner: reg,
-                byte: None,
-                affine: false,
             },
         }
     }
@@ -534,9 +531,6 @@ pub struct DropoutDraw {
     pub owner: usize,
     /// The byte of the hash this register reads, when known at compile time.
     pub byte: Option<usize>,
-    /// Whether the owner's counter is register 0's plus the steps of its row and key (the
-    /// owner's key is register 0's plus a multiple of 8 that carries into no bit below 4).
-    pub affine: bool,
 }
 
 /// The launch arguments of dropout: the seed's halves and the keep threshold out of 2⁸.
@@ -665,7 +659,7 @@ mod tests {
     /// Dropout's draws against a model of the score registers (the m16n8 accumulator: lane
     /// `4g + t` holds columns `2t`, `2t + 1` of rows `g`, `g + 8`; a portable unit one row):
     /// every register shares its owner's query and key group, reads the byte its key names,
-    /// and an affine owner's group is register 0's plus the step `keep_mask` adds.
+    /// and an owner's group is register 0's plus the step `keep_mask` adds.
     #[test]
     fn dropout_draws_match_the_register_layout() {
         let group = |key: usize| key / 16 * 4 + key / 2 % 4;
@@ -719,7 +713,7 @@ mod tests {
                         if let Some(b) = draw.byte {
                             assert_eq!(b, byte(key), "{label}");
                         }
-                        if draw.affine && draw.owner == reg {
+                        if draw.owner == reg {
                             let step = key - key0;
                             assert!(query >= query0, "{label}");
                             assert_eq!(

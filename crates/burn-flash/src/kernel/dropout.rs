@@ -109,14 +109,11 @@ pub fn keep_mask<E: Float, T: AttentionTile<E>>(
             let draw = comptime!(cfg.dropout_draw(reg, transposed));
             if comptime!(draw.owner == reg) {
                 let (query, key) = pair_of::<E, T>(q_start, kv_start, reg, transposed, cfg);
-                let counter = if comptime!(draw.affine) {
-                    // `key − key0` adds no carry into bits 1, 2 or 3 of `key0`.
-                    let step = key - key0;
-                    base + u32::cast_from(query - query0) * dropout.groups_per_row
-                        + u32::cast_from((step >> 4) * 4 + ((step >> 1) & 3))
-                } else {
-                    u32::cast_from(query) * dropout.groups_per_row + group_of(key) + head_key
-                };
+                // `key − key0` carries into no bit of `key0` below 4.
+                let step = key - key0;
+                let counter = base
+                    + u32::cast_from(query - query0) * dropout.groups_per_row
+                    + u32::cast_from((step >> 4) * 4 + ((step >> 1) & 3));
                 bits[reg] = mix(counter);
             }
         }

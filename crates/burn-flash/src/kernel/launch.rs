@@ -344,6 +344,9 @@ fn staging<R: CubeRuntime>(
     .into_iter()
     .find(|&staged| fits_shared(client, "forward", bytes(staged)).is_ok())
     .unwrap_or_default();
+    if staged.bias.is_none() {
+        return staged;
+    }
     let single = Staged {
         bias_single: true,
         ..staged
@@ -352,11 +355,7 @@ fn staging<R: CubeRuntime>(
         Some(stages) => stages == 1,
         None => cubes_per_sm(client, bytes(single)) > cubes_per_sm(client, bytes(staged)),
     };
-    if staged.bias.is_some() && prefer_single {
-        single
-    } else {
-        staged
-    }
+    if prefer_single { single } else { staged }
 }
 
 /// Cubes of the tensor-core forward an SM holds with `bytes` of shared memory each: an SM has
