@@ -69,6 +69,8 @@ pub struct TileConfig {
     pub atomic_dq: bool,
     /// Which score inputs the tensor-core forward stages in shared memory.
     pub staged: Staged,
+    /// The grid steps through batches before heads ([`grid`](super::grid)).
+    pub batch_inner: bool,
 }
 
 /// Score inputs (a mask, a bias) the tensor-core forward stages in shared memory: each KV
@@ -140,6 +142,7 @@ impl TileConfig {
             alibi: false,
             atomic_dq: false,
             staged: Staged::default(),
+            batch_inner: false,
         }
     }
 
@@ -164,6 +167,7 @@ impl TileConfig {
             alibi: false,
             atomic_dq: false,
             staged: Staged::default(),
+            batch_inner: false,
         }
     }
 
@@ -188,6 +192,14 @@ impl TileConfig {
     pub fn with_packed_mask(mut self, packed: bool) -> Self {
         self.mask.packed = packed;
         self
+    }
+
+    /// These blocks launched with batches stepped through before heads (`true`) or after.
+    pub fn with_batch_inner(self, batch_inner: bool) -> Self {
+        Self {
+            batch_inner,
+            ..self
+        }
     }
 
     /// These blocks writing the bias gradient from the dQ launch (`true`) or not.

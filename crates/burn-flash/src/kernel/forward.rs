@@ -14,6 +14,7 @@ use cubecl::prelude::*;
 use super::TilePath;
 use super::config::TileConfig;
 use super::dropout::{Dropout, keep_mask};
+use super::grid::batch_and_head;
 use super::inputs::{
     Views, add_bias, alibi_slope, block_visible, fetch_bias, fetch_inputs, hidden_row, hide_packed,
     input_stages, packed_block, visible_range,
@@ -73,8 +74,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
     #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
-    let batch = CUBE_POS_Z as usize;
-    let head = CUBE_POS_Y as usize;
+    let (batch, head) = batch_and_head(cfg);
     let kv_head = head / (q.shape(1) / k.shape(1));
     let dropout = Dropout::new(
         dropout_seed_lo,

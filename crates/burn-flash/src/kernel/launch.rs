@@ -13,6 +13,7 @@ use cubecl::tensor_vector_size_parallel;
 use super::TilePath;
 use super::config::{ScoreParams, Staged, TileConfig};
 use super::forward::flash_forward;
+use super::grid::{batch_inner, cube_count};
 use super::pack::pack_mask;
 use super::tile::{MmaTile, PortableTile};
 
@@ -184,11 +185,8 @@ pub fn forward<R: CubeRuntime>(
     let cfg = forward_config(tile, head_dim, value_dim).with_scores(&params);
     let (cfg, inputs, hidden_blocks) = stage_inputs(&client, cfg, inputs, q.dtype);
     let cube_dim = cube_dim(&cfg);
-    let cube_count = CubeCount::Static(
-        seq_q.div_ceil(cfg.block_q) as u32,
-        heads as u32,
-        batch as u32,
-    );
+    let cfg = cfg.with_batch_inner(batch_inner(&inputs, batch));
+    let cube_count = cube_count(&cfg, seq_q, heads, batch);
     // The score inputs can be the largest tensors of the launch (`[b, h, sq, sk]`).
     let address = address_type(&[&q, &k, &v, &out])
         .max(inputs.address_type())

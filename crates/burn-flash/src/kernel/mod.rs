@@ -5,6 +5,7 @@ mod backward;
 mod config;
 mod dropout;
 mod forward;
+mod grid;
 mod inputs;
 mod launch;
 mod mask;

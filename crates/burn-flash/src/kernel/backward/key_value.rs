@@ -10,6 +10,7 @@ use cubecl::prelude::*;
 use super::walk::{Span, Sweep, walk};
 use crate::kernel::config::TileConfig;
 use crate::kernel::dropout::Dropout;
+use crate::kernel::grid::batch_and_head;
 use crate::kernel::mask::{Band, query_range};
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
@@ -44,8 +45,7 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     #[comptime] cfg: TileConfig,
     #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
-    let batch = CUBE_POS_Z as usize;
-    let kv_head = CUBE_POS_Y as usize;
+    let (batch, kv_head) = batch_and_head(cfg);
     let group = q.shape(1) / k.shape(1);
     let band = Band::new(q, k, band_left, band_right);
     let owned_start = CUBE_POS_X as usize * cfg.block_q;

@@ -15,6 +15,7 @@ use super::query::{finish_query_grads, query_grads};
 use super::row_dot::row_dot;
 use crate::kernel::TilePath;
 use crate::kernel::config::{MMA_M, ScoreParams, TileConfig};
+use crate::kernel::grid::{batch_inner, cube_count};
 use crate::kernel::launch::{
     ScoreInputs, address_type, cube_dim, fill_tensor, fits_shared, output, shape_override,
     usable_tile, vector_width,
@@ -231,14 +232,17 @@ pub fn backward<R: CubeRuntime>(
     }
     let tile = backward_support(&client, dtype, head_dim, value_dim)
         .unwrap_or_else(|reason| panic!("fused backward launched on unsupported input: {reason}"));
+    let batch_inner = batch_inner(&inputs, batch);
     let blocks = |atomic| {
         key_value_config(tile, head_dim, value_dim, atomic)
             .with_scores(&params)
             .with_bias_grad(bias_grad)
+            .with_batch_inner(batch_inner)
     };
     let query_cfg = query_config(tile, head_dim, value_dim)
         .with_scores(&params)
-        .with_bias_grad(bias_grad);
+        .with_bias_grad(bias_grad)
+        .with_batch_inner(batch_inner);
     let atomic = (!deterministic && !bias_grad && seq_q > 0)
         .then(|| blocks(true))
         .filter(|atomic| atomic_dq_faster(atomic, seq_k))
@@ -266,13 +270,6 @@ pub fn backward<R: CubeRuntime>(
     let dq_width = dq_vector_width(&client, &cfg);
     let elem: StorageType = dtype.into();
     let dtypes = [elem, inputs.mask_dtype()];
-    let grid = |rows: usize, heads: usize, cfg: &TileConfig| {
-        CubeCount::Static(
-            rows.div_ceil(cfg.block_q) as u32,
-            heads as u32,
-            batch as u32,
-        )
-    };
     let softcap = params.softcap.unwrap_or(1.0);
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
     let alibi_pow2 = params.alibi_pow2.unwrap_or(1);
@@ -312,7 +309,7 @@ pub fn backward<R: CubeRuntime>(
                 if seq_k > 0 {
                     key_value_grads::launch_unchecked::<$tile, R>(
                         &client,
-                        grid(seq_k, kv_heads, &cfg),
+                        cube_count(&cfg, seq_k, kv_heads, batch),
                         cube_dim(&cfg),
                         address,
                         dq_width,
@@ -362,7 +359,7 @@ pub fn backward<R: CubeRuntime>(
                 } else if seq_q > 0 {
                     query_grads::launch_unchecked::<$tile, R>(
                         &client,
-                        grid(seq_q, heads, &query_cfg),
+                        cube_count(&query_cfg, seq_q, heads, batch),
                         cube_dim(&query_cfg),
                         address,
                         q.into_tensor_arg(),

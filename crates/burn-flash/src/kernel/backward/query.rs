@@ -7,6 +7,7 @@ use cubecl::prelude::*;
 use super::walk::{Span, Sweep, walk};
 use crate::kernel::config::TileConfig;
 use crate::kernel::dropout::Dropout;
+use crate::kernel::grid::batch_and_head;
 use crate::kernel::mask::{Band, kv_blocks};
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
@@ -40,8 +41,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
     #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
-    let batch = CUBE_POS_Z as usize;
-    let head = CUBE_POS_Y as usize;
+    let (batch, head) = batch_and_head(cfg);
     let kv_head = head / (q.shape(1) / k.shape(1));
     let span = Span {
         owned_start: CUBE_POS_X as usize * cfg.block_q,

@@ -1,0 +1,60 @@
+//! The launch grid: one cube per (row block, head, batch), row blocks stepped through first.
+//! Heads come before batches by default, so that the cubes of one sequence run together and a
+//! mask shared by its heads is read from memory about once. A bias shared by the batch
+//! (`[1, h, sq, sk]`, a relative-position bias) turns that around: read once per sequence, it
+//! would be the largest traffic of the launch (at 2 bytes a pair, against 4·d bytes of q, k, v
+//! and output a row), so batches come first and the cubes of one head in every sequence run
+//! together, reading each of its blocks while another holds it in L2.
+
+use std::sync::OnceLock;
+
+use burn_cubecl::CubeRuntime;
+use cubecl::prelude::*;
+
+use super::config::TileConfig;
+use super::launch::ScoreInputs;
+
+/// (batch, head) of this cube.
+#[cube]
+pub fn batch_and_head(#[comptime] cfg: TileConfig) -> (usize, usize) {
+    if comptime!(cfg.batch_inner) {
+        (CUBE_POS_Y as usize, CUBE_POS_Z as usize)
+    } else {
+        (CUBE_POS_Z as usize, CUBE_POS_Y as usize)
+    }
+}
+
+/// The cubes of a launch over `rows` rows per (batch, head) in blocks of `cfg.block_q`.
+pub fn cube_count(cfg: &TileConfig, rows: usize, heads: usize, batch: usize) -> CubeCount {
+    let blocks = rows.div_ceil(cfg.block_q) as u32;
+    if cfg.batch_inner {
+        CubeCount::Static(blocks, batch as u32, heads as u32)
+    } else {
+        CubeCount::Static(blocks, heads as u32, batch as u32)
+    }
+}
+
+/// Whether batches come before heads for these inputs: a bias shared by a batch of several
+/// sequences. `BURN_FLASH_BATCH_INNER=0|1` decides instead (tuning runs).
+pub fn batch_inner<R: CubeRuntime>(inputs: &ScoreInputs<R>, batch: usize) -> bool {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    let forced = OVERRIDE.get_or_init(|| {
+        let text = std::env::var("BURN_FLASH_BATCH_INNER").ok()?;
+        let forced = match text.trim() {
+            "0" => Some(false),
+            "1" => Some(true),
+            _ => None,
+        };
+        if forced.is_none() {
+            log::warn!("ignoring BURN_FLASH_BATCH_INNER={text:?}: expected 0 or 1");
+        }
+        forced
+    });
+    forced.unwrap_or_else(|| {
+        batch > 1
+            && inputs
+                .bias
+                .as_ref()
+                .is_some_and(|bias| bias.meta.shape()[0] == 1)
+    })
+}
