@@ -246,24 +246,56 @@ pub fn copy_input_async<N: CubePrimitive>(
     #[comptime] cfg: TileConfig,
 ) {
     let chunks_per_row = comptime!(cfg.block_kv / chunk);
-    let chunks = comptime!(rows * chunks_per_row);
     let units = comptime!(cfg.units());
-    #[unroll]
-    for pass in 0..comptime!(chunks.div_ceil(units)) {
-        let id = comptime!(pass * units) + UNIT_POS as usize;
-        if comptime!(chunks.is_multiple_of(units)) || id < chunks {
-            let row = id / chunks_per_row;
-            let col = id % chunks_per_row * chunk;
-            let (query, key) = (q_start + row, kv_start + col);
-            let in_bounds = query < band.seq_q && key < band.seq_k;
-            let src_start = select(in_bounds, at.base + query * at.row_stride + key, 0usize);
+    let pass_rows = comptime!(units / chunks_per_row);
+    // Rows one swizzle period apart share their swizzle key (`input_offset`).
+    let period = comptime!((8 / chunks_per_row).max(1) * chunks_per_row.min(8));
+    if comptime!(
+        units.is_multiple_of(chunks_per_row)
+            && rows.is_multiple_of(pass_rows)
+            && pass_rows.is_multiple_of(period)
+    ) {
+        // Each pass of the units covers `pass_rows` whole rows: a unit's column and swizzled
+        // chunk are the same in every pass, its destination steps by a constant and its source
+        // by a constant number of rows, so a copy costs a bound check and an address add.
+        let lane_row = UNIT_POS as usize / chunks_per_row;
+        let col = UNIT_POS as usize % chunks_per_row * chunk;
+        let key_in_bounds = kv_start + col < band.seq_k;
+        let lane_src = at.base + (q_start + lane_row) * at.row_stride + kv_start + col;
+        let pass_src = comptime!(pass_rows) * at.row_stride;
+        let lane_dst = smem_anchor(stage_base + input_offset(lane_row, col, chunk, cfg));
+        #[unroll]
+        for pass in 0..comptime!(rows / pass_rows) {
+            let in_bounds =
+                key_in_bounds && q_start + lane_row + comptime!(pass * pass_rows) < band.seq_q;
+            let src_start = select(in_bounds, lane_src + comptime!(pass) * pass_src, 0usize);
             let len = select(in_bounds, chunk, 0usize);
-            let dst = stage_base + input_offset(row, col, chunk, cfg);
+            let dst = lane_dst + comptime!(pass * pass_rows * cfg.block_kv);
             copy_async_checked(
                 &src.slice(src_start, src_start + len),
                 &mut stage.slice_mut(dst, dst + chunk),
                 chunk as u32,
             );
+        }
+    } else {
+        let chunks = comptime!(rows * chunks_per_row);
+        #[unroll]
+        for pass in 0..comptime!(chunks.div_ceil(units)) {
+            let id = comptime!(pass * units) + UNIT_POS as usize;
+            if comptime!(chunks.is_multiple_of(units)) || id < chunks {
+                let row = id / chunks_per_row;
+                let col = id % chunks_per_row * chunk;
+                let (query, key) = (q_start + row, kv_start + col);
+                let in_bounds = query < band.seq_q && key < band.seq_k;
+                let src_start = select(in_bounds, at.base + query * at.row_stride + key, 0usize);
+                let len = select(in_bounds, chunk, 0usize);
+                let dst = stage_base + input_offset(row, col, chunk, cfg);
+                copy_async_checked(
+                    &src.slice(src_start, src_start + len),
+                    &mut stage.slice_mut(dst, dst + chunk),
+                    chunk as u32,
+                );
+            }
         }
     }
 }
