@@ -1,10 +1,10 @@
-//! The launch grid: one cube per (row block, head, batch), row blocks stepped through first.
-//! Heads come before batches by default, so that the cubes of one sequence run together and a
-//! mask shared by its heads is read from memory about once. A bias shared by the batch
-//! (`[1, h, sq, sk]`, a relative-position bias) turns that around: read once per sequence, it
-//! would be the largest traffic of the launch (at 2 bytes a pair, against 4·d bytes of q, k, v
-//! and output a row), so batches come first and the cubes of one head in every sequence run
-//! together, reading each of its blocks while another holds it in L2.
+//! The launch grid: one cube per (row block, head, batch), row blocks stepped through first. Heads
+//! come before batches by default, so that the cubes of one sequence run together and a mask shared
+//! by its heads is read from memory about once. A bias shared by the batch (`[1, h, sq, sk]`, a
+//! relative-position bias) turns that around: read once per sequence, it would be the largest
+//! traffic of the launch (2·sk bytes a query row, against 8·d bytes of q, k, v and output in 16-bit
+//! types), so batches come first and the cubes of one head in every sequence run together, reading
+//! each of its blocks while another holds it in L2.
 
 use std::sync::OnceLock;
 
