@@ -184,8 +184,8 @@ pub fn forward<R: CubeRuntime>(
 
     let cfg = forward_config(tile, head_dim, value_dim).with_scores(&params);
     let (cfg, inputs, hidden_blocks) = stage_inputs(&client, cfg, inputs, q.dtype);
-    let cube_dim = cube_dim(&cfg);
     let cfg = cfg.with_batch_inner(batch_inner(&inputs, batch));
+    let cube_dim = cube_dim(&cfg);
     let cube_count = cube_count(&cfg, seq_q, heads, batch);
     // The score inputs can be the largest tensors of the launch (`[b, h, sq, sk]`).
     let address = address_type(&[&q, &k, &v, &out])

@@ -219,10 +219,16 @@ pub fn input_offset(
     #[comptime] chunk: usize,
     #[comptime] cfg: TileConfig,
 ) -> usize {
-    let chunks = comptime!(cfg.block_kv / chunk);
-    let rows_per_line = comptime!((8 / chunks).max(1));
-    let key = (row / rows_per_line) % comptime!(chunks.min(8));
+    let (rows_per_line, keys) = comptime!(input_swizzle(chunk, &cfg));
+    let key = (row / rows_per_line) % keys;
     row * cfg.block_kv + ((col / chunk) ^ key) * chunk + col % chunk
+}
+
+/// [`input_offset`]'s swizzle: rows per 128-byte line and distinct keys. Rows
+/// `rows_per_line · keys` apart share their key.
+fn input_swizzle(chunk: usize, cfg: &TileConfig) -> (usize, usize) {
+    let chunks = cfg.block_kv / chunk;
+    ((8 / chunks).max(1), chunks.min(8))
 }
 
 /// Issue asynchronous copies of the `rows × cfg.block_kv` block of a score input (`at` its view
@@ -248,8 +254,8 @@ pub fn copy_input_async<N: CubePrimitive>(
     let chunks_per_row = comptime!(cfg.block_kv / chunk);
     let units = comptime!(cfg.units());
     let pass_rows = comptime!(units / chunks_per_row);
-    // Rows one swizzle period apart share their swizzle key (`input_offset`).
-    let period = comptime!((8 / chunks_per_row).max(1) * chunks_per_row.min(8));
+    let (rows_per_line, keys) = comptime!(input_swizzle(chunk, &cfg));
+    let period = comptime!(rows_per_line * keys);
     if comptime!(
         units.is_multiple_of(chunks_per_row)
             && rows.is_multiple_of(pass_rows)
