@@ -56,32 +56,52 @@ for stage in "$@"; do
     ;;
   ptests)
     # Most of a test's time is NVRTC compiles and Burn's autotune (CPU), so the tests overlap
-    # well; timings are not taken here. Tests matching PTESTS_ALONE (the benchmark shapes,
-    # whose unfused baselines allocate 5 GB at once) run after the others, beside each other
-    # only: beside 22 other processes they could not allocate.
+    # well; timings are not taken here. Three rounds: every test at once, then those matching
+    # PTESTS_ALONE (the benchmark shapes, whose unfused baselines allocate 5 GB at once) beside
+    # each other only, then those matching PTESTS_SERIAL (tensors of more than 2^31 elements:
+    # 40 GB and 20 GB of device memory) one at a time: beside the others they run out of memory.
+    # Each test's log is appended to $OUT/ptests.log as it ends, and the logs of tests still
+    # running when the script is stopped are appended then, marked unfinished, so that a call
+    # that hits its time limit still returns every log in one file.
     alone=${PTESTS_ALONE:-benchmark_shapes}
-    ptest() {
-      ( BURN_FLASH_REQUIRE_CUDA=1 CUBECL_AUTOTUNE_LEVEL=minimal timeout "${TEST_TIMEOUT:-300}" \
-          "$1" --exact "$2" --nocapture >"$OUT/$(basename "$1").${2//::/.}.log" 2>&1
-        rc=$?  # before any other expansion resets it
-        echo "$(basename "$1") $2 rc=$rc" >>"$OUT/ptests.txt" )
+    serial=${PTESTS_SERIAL:-beyond_2_pow_31}
+    logs=/tmp/ptests && rm -rf "$logs" && mkdir -p "$logs"
+    collect_unfinished() {
+      for f in "$logs"/*.log; do
+        [ -e "$f" ] && { echo "=== $(basename "$f" .log) (unfinished)"; cat "$f"; } >>"$OUT/ptests.log"
+      done
     }
-    for t in .gpu/test-*; do
-      for name in $("$t" --list ${TEST_FILTER:-cuda} 2>/dev/null | sed -n 's/: test$//p'); do
-        [[ $name == *$alone* ]] || ptest "$t" "$name" &
+    trap 'collect_unfinished; trap - EXIT; exit 143' TERM INT
+    trap collect_unfinished EXIT
+    ptest() {
+      local log="$logs/$(basename "$1").${2//::/.}.log"
+      ( BURN_FLASH_REQUIRE_CUDA=1 CUBECL_AUTOTUNE_LEVEL=minimal timeout "${TEST_TIMEOUT:-300}" \
+          "$1" --exact "$2" --nocapture </dev/null >"$log" 2>&1
+        rc=$?  # before any other expansion resets it
+        echo "$(basename "$1") $2 rc=$rc" >>"$OUT/ptests.txt"
+        { flock 9; echo "=== $(basename "$1") $2 rc=$rc"; cat "$log"; } 9>>"$OUT/ptests.log" \
+          >>"$OUT/ptests.log"
+        rm -f "$log" )
+    }
+    # The suite's CUDA tests in round $1 (all, alone, serial).
+    tests_of() {
+      for t in .gpu/test-*; do
+        for name in $("$t" --list ${TEST_FILTER:-cuda} 2>/dev/null | sed -n 's/: test$//p'); do
+          case "$1" in
+          all) [[ $name == *$alone* || $name == *$serial* ]] || echo "$t $name" ;;
+          alone) [[ $name == *$alone* && $name != *$serial* ]] && echo "$t $name" ;;
+          serial) [[ $name == *$serial* ]] && echo "$t $name" ;;
+          esac
+        done
       done
+    }
+    for round in all alone; do
+      while read -r t name; do ptest "$t" "$name" & done < <(tests_of $round)
+      wait
     done
-    wait
-    for t in .gpu/test-*; do
-      for name in $("$t" --list ${TEST_FILTER:-cuda} 2>/dev/null | sed -n 's/: test$//p'); do
-        [[ $name == *$alone* ]] && ptest "$t" "$name" &
-      done
-    done
-    wait
+    while read -r t name; do ptest "$t" "$name"; done < <(tests_of serial)
+    trap - EXIT TERM INT
     sort "$OUT/ptests.txt"
-    # One file back instead of one per test.
-    for f in "$OUT"/test-*.log; do echo "=== $f"; cat "$f"; done >"$OUT/ptests.log"
-    rm -f "$OUT"/test-*.log
     ;;
   sanitize)
     # compute-sanitizer over every fused kernel on ragged shapes (the tests below launch the
