@@ -17,9 +17,17 @@
 //! `--iters` samples, each a batch of calls issued back to back between two device
 //! synchronisations (as many as fill about 20 ms, at most 50), rotating between `--sets`
 //! independent input sets so no call finds its inputs in cache; the median of the samples'
-//! per-call times is reported. Back-to-back calls are how PyTorch's `do_bench` (the torch
-//! script's timer) times its peers: the host prepares the next call while the device runs this
-//! one, so a synchronisation per call is not charged to the kernels.
+//! per-call times is reported. The host prepares the next call while the device runs this one,
+//! so a synchronisation per call is not charged to the kernels.
+//!
+//! `--timing` says what runs between two calls. `b2b` (the default) issues the calls back to
+//! back, so that a kernel that runs at the card's power cap stays there for the whole batch.
+//! `clear` is what PyTorch's `do_bench`, the torch script's timer, does: a pass over a buffer
+//! larger than the L2 cache before every call (do_bench zeroes 256 MB; here a 128 MiB buffer is
+//! reversed, which moves the same 256 MiB). The calls are then timed by difference: each sample
+//! times a batch of clears alone, then a batch of clears each followed by a call, and reports
+//! the difference per call; stderr gives the time of one clear, which should be that of 256 MiB
+//! at the device's bandwidth (a clear merged into another would show as a shorter one).
 //! TFLOPS counts `4·b·h·n²·d`, halved when causal, times 3.5 for `fwdbwd`. A call slower than `--budget-ms` skips the
 //! row with a `#` comment line, and so do the longer lengths of that implementation (also when
 //! the last length's time, scaled by the FLOPs, predicts a call over the budget: a first call,
@@ -51,7 +59,7 @@ use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Wgpu};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::module::{attention, attention_fallback};
-use burn::tensor::{Bool, DType, Distribution, Tensor};
+use burn::tensor::{Bool, DType, Distribution, Int, Tensor};
 use burn_flash::{
     AttentionMask, FlashAttentionBackend, FlashAttentionOptions, flash_attention_masked,
     flash_attention_plan,
@@ -64,7 +72,7 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
                  [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
                  [--backend auto|cuda|cuda-bare|wgpu] [--iters N] [--warmup N] [--sets N]
                  [--budget-ms MS] [--row-seconds S] [--modes fwd,fwdbwd] [--memory]
-                 [--peers CSV]
+                 [--peers CSV] [--timing clear|b2b]
 --b / --h: 0 (default) means 16384 / n and 2048 / d on CUDA (the FlashAttention-2 shapes),
            1024 / n and 256 / d on wgpu.
 --hkv:     key/value heads (grouped-query attention); 0 (default) means h. Burn's peers get
@@ -86,6 +94,9 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
            (burn-flash only; rows burn-flash-atomicdq).
 --peers:   a CSV of the same columns from another program on this device (torch_sdpa_bench.py),
            whose rows join the summary printed after the CSV.
+--timing:  b2b (default): calls back to back. clear: a 256 MiB pass over a buffer before
+           every call, as PyTorch's do_bench clears the L2 cache, and the calls timed by
+           difference with a batch of clears alone (the clear's time goes to stderr).
 --backend: cuda-bare times Burn's CubeBackend without the fusion stream (what the stream costs
            per call); stderr also gives the host's time to issue one call per row.";
 
@@ -117,6 +128,16 @@ struct Args {
     modes: Vec<String>,
     memory: bool,
     peers: Option<String>,
+    timing: Timing,
+}
+
+/// What runs between two timed calls (`--timing`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Timing {
+    /// A pass over a buffer larger than the L2 cache before every call, as `do_bench` does.
+    Clear,
+    /// Nothing: calls back to back.
+    BackToBack,
 }
 
 fn list(value: &str) -> Vec<usize> {
@@ -162,6 +183,7 @@ fn parse_args() -> Args {
         modes: vec!["fwd".into()],
         memory: false,
         peers: None,
+        timing: Timing::BackToBack,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -247,6 +269,13 @@ fn parse_args() -> Args {
             "--budget-ms" => args.budget_ms = Some(number(&value)),
             "--row-seconds" => args.row_seconds = number(&value),
             "--peers" => args.peers = Some(value),
+            "--timing" => {
+                args.timing = match value.as_str() {
+                    "clear" => Timing::Clear,
+                    "b2b" => Timing::BackToBack,
+                    _ => fail("--timing takes clear or b2b"),
+                }
+            }
             "--modes" => {
                 args.modes = value.split(',').map(str::to_string).collect();
                 if args
@@ -440,9 +469,30 @@ fn forward_backward<B: FlashAttentionBackend + AutodiffBackend>(
 /// What one timed call runs: [`forward`] or [`forward_backward`].
 type Call<B> = fn(&str, Set<B>, FlashAttentionOptions);
 
-/// `batch` calls issued back to back from input set `first` on, synchronised once at the end;
-/// returns the wall time per call, and the host's time per call to issue them (the device is
-/// starved when the two are close).
+/// The buffer `--timing clear` passes over before each call: 128 MiB of `i32`, reversed (read
+/// and written: 256 MiB moved, more than the 50 MB L2 cache of an H100 holds). A reversal is a
+/// gather, which Burn's fusion does not merge into the next reversal, so each clear runs as a
+/// kernel of its own.
+struct Clear<B: FlashAttentionBackend>(Option<Tensor<B, 1, Int>>);
+
+impl<B: FlashAttentionBackend> Clear<B> {
+    fn new(device: &B::Device) -> Self {
+        Self(Some(Tensor::zeros([32 << 20], device)))
+    }
+
+    fn run(&mut self) {
+        let buffer = self
+            .0
+            .take()
+            .expect("the buffer is put back after every clear");
+        self.0 = Some(buffer.flip([0]));
+    }
+}
+
+/// `batch` calls issued back to back from input set `first` on (each after a clear, with
+/// `clear`), synchronised once at the end; returns the wall time per call, and the host's time
+/// per call to issue them (the device is starved when the two are close).
+#[allow(clippy::too_many_arguments)]
 fn timed_batch<B: FlashAttentionBackend>(
     device: &B::Device,
     call: Call<B>,
@@ -451,15 +501,34 @@ fn timed_batch<B: FlashAttentionBackend>(
     first: usize,
     batch: usize,
     options: FlashAttentionOptions,
+    mut clear: Option<&mut Clear<B>>,
 ) -> (Duration, Duration) {
     B::sync(device).expect("device sync");
     let start = Instant::now();
     for set in first..first + batch {
+        if let Some(clear) = clear.as_deref_mut() {
+            clear.run();
+        }
         call(name, inputs[set % inputs.len()].clone(), options);
     }
     let issued = start.elapsed();
     B::sync(device).expect("device sync");
     (start.elapsed() / batch as u32, issued / batch as u32)
+}
+
+/// `batch` clears alone, synchronised once at the end: the wall time per clear.
+fn timed_clears<B: FlashAttentionBackend>(
+    device: &B::Device,
+    clear: &mut Clear<B>,
+    batch: usize,
+) -> Duration {
+    B::sync(device).expect("device sync");
+    let start = Instant::now();
+    for _ in 0..batch {
+        clear.run();
+    }
+    B::sync(device).expect("device sync");
+    start.elapsed() / batch as u32
 }
 
 /// How the last row of an (impl, d, causal) series went, to predict the next, longer one.
@@ -632,10 +701,11 @@ fn measure<B: FlashAttentionBackend>(
 ) -> Outcome {
     PANICKED.store(false, Ordering::SeqCst);
     let result = catch_unwind(AssertUnwindSafe(|| {
+        let mut clear = (args.timing == Timing::Clear).then(|| Clear::<B>::new(device));
         // First call: compilation and autotune, not timed against the budget.
-        let (first, _) = timed_batch(device, call, name, inputs, 0, 1, options);
+        let (first, _) = timed_batch(device, call, name, inputs, 0, 1, options, clear.as_mut());
         eprintln!("{row}: first call {first:.2?}");
-        let (probe, _) = timed_batch(device, call, name, inputs, 1, 1, options);
+        let (probe, _) = timed_batch(device, call, name, inputs, 1, 1, options, clear.as_mut());
         if probe > s.budget {
             return Err(format!(
                 "one call took {:.1} ms, over the budget of {:.0} ms",
@@ -644,17 +714,51 @@ fn measure<B: FlashAttentionBackend>(
             ));
         }
         for i in 1..s.warmup {
-            timed_batch(device, call, name, inputs, i + 1, 1, options);
+            timed_batch(
+                device,
+                call,
+                name,
+                inputs,
+                i + 1,
+                1,
+                options,
+                clear.as_mut(),
+            );
         }
         // Batches of about 20 ms; the row kept under `row_seconds`, with at least 3 samples.
         let probe_s = probe.as_secs_f64().max(1e-6);
         let batch = ((0.02 / probe_s) as usize).clamp(1, 50);
         let affordable = (args.row_seconds / (probe_s * batch as f64)) as usize;
         let iters = s.iters.min(affordable.max(3));
-        let (mut times, mut issued): (Vec<Duration>, Vec<Duration>) = (0..iters)
-            .map(|i| timed_batch(device, call, name, inputs, i * batch, batch, options))
-            .unzip();
-        Ok((median_ms(&mut times), median_ms(&mut issued), iters * batch))
+        let mut times = Vec::with_capacity(iters);
+        let mut issued = Vec::with_capacity(iters);
+        let mut clears = Vec::with_capacity(iters);
+        for i in 0..iters {
+            // Clears alone first, then clears and calls: the difference is the calls'.
+            let alone = clear
+                .as_mut()
+                .map(|clear| timed_clears(device, clear, batch))
+                .unwrap_or_default();
+            let (time, issue) = timed_batch(
+                device,
+                call,
+                name,
+                inputs,
+                i * batch,
+                batch,
+                options,
+                clear.as_mut(),
+            );
+            times.push(time.saturating_sub(alone));
+            issued.push(issue);
+            clears.push(alone);
+        }
+        Ok((
+            median_ms(&mut times),
+            median_ms(&mut issued),
+            median_ms(&mut clears),
+            iters * batch,
+        ))
     }));
     let result = match result {
         Ok(Ok(_)) if PANICKED.load(Ordering::SeqCst) => {
@@ -663,13 +767,19 @@ fn measure<B: FlashAttentionBackend>(
         other => other,
     };
     match result {
-        Ok(Ok((ms, issue_ms, iters))) => {
+        Ok(Ok((ms, issue_ms, clear_ms, iters))) => {
             let tflops = flops / ms / 1e9;
             // One decimal as torch_sdpa_bench.py prints; more where it would read 0.0 (a CPU).
             let digits = if tflops < 1.0 { 4 } else { 1 };
             println!("{row},{ms:.4},{tflops:.digits$}");
+            let method = match args.timing {
+                Timing::Clear => {
+                    format!("a clear before each ({clear_ms:.4} ms per clear alone, subtracted)")
+                }
+                Timing::BackToBack => "back to back".to_string(),
+            };
             eprintln!(
-                "{row}: {iters} calls, median of the batches' per-call times; \
+                "{row}: {iters} calls, {method}, median of the batches' per-call times; \
                  the host issued a call in {issue_ms:.4} ms"
             );
             Outcome::Timed { ms, flops }
@@ -729,6 +839,13 @@ fn run_modes<B: FlashAttentionBackend>(
     Autodiff<B>: FlashAttentionBackend<Device = B::Device>,
 {
     println!("impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops");
+    println!(
+        "# timing: {}",
+        match args.timing {
+            Timing::Clear => "clear (a 256 MiB pass before each call, as do_bench; --timing)",
+            Timing::BackToBack => "b2b (calls back to back; --timing)",
+        }
+    );
     let mut timed = Vec::new();
     for mode in &args.modes {
         let forward_only: Call<B> = |name, inputs, options| {
