@@ -7,6 +7,7 @@
 #   scripts/gpu-run.sh sanitize # compute-sanitizer (SANITIZERS) over the kernels on ragged shapes
 #   scripts/gpu-run.sh sources # dump the fused kernels' generated CUDA source (forward, backward)
 #   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV
+#   scripts/gpu-run.sh timing  # our forward timed b2b and clear (as do_bench), beside the torch script
 #   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
 #   scripts/gpu-run.sh features # issue 6's feature table (FEATURE_MODES, default fwd)
 #   scripts/gpu-run.sh memory  # one training step per impl and length (b1 h16 d128), one process each
@@ -168,6 +169,27 @@ EOF
     { awk '/^# summary/ { exit } { print }' "$OUT/bench.csv"; grep -v '^impl,' "$OUT/torch.csv"; } \
       >"$OUT/h100.csv"
     sed -n '/^# summary/,$p' "$OUT/bench.csv" >"$OUT/summary.txt"
+    ;;
+  timing)
+    # The bench's two timing methods against each other (docs/performance.md, "Timing method
+    # and the power cap"): our forward b2b and clear, one process each, interleaved over two
+    # rounds, beside the torch script's rows of the same shapes; then Burn's unfused forward
+    # beside ours, timed clear (issue 2's d 128 bar). One CSV, the method in the first column;
+    # the clear's own time per row is in timing.err.
+    TIMING_D=${TIMING_D:-64,128} TIMING_N=${TIMING_N:-2048,8192}
+    echo "method,impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops" | tee "$OUT/timing.csv"
+    {
+      python3 .gpu/torch_sdpa_bench.py --d "$TIMING_D" --n "$TIMING_N" --causal both \
+        --backends flash --modes fwd 2>>"$OUT/timing.err" | sed 's/^/do_bench,/'
+      for round in 1 2; do
+        for method in b2b clear; do
+          .gpu/bench-attention --impls burn-flash --d "$TIMING_D" --n "$TIMING_N" --causal both \
+            --modes fwd --iters 10 --timing $method 2>>"$OUT/timing.err" | sed "s/^/$method,/"
+        done
+      done
+      .gpu/bench-attention --impls burn-unfused,burn-flash --d 128 --n 2048,4096,8192 \
+        --causal false --modes fwd --timing clear 2>>"$OUT/timing.err" | sed 's/^/clear,/'
+    } | grep -v ',#\|,impl,' | tee -a "$OUT/timing.csv"
     ;;
   tune)
     for shape in ${SHAPES:-4,32,64}; do
