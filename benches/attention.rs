@@ -27,7 +27,8 @@
 //! reversed, which moves the same 256 MiB). The calls are then timed by difference: each sample
 //! times a batch of clears alone, then a batch of clears each followed by a call, and reports
 //! the difference per call; stderr gives the time of one clear, which should be that of 256 MiB
-//! at the device's bandwidth (a clear merged into another would show as a shorter one).
+//! at the device's bandwidth (a clear merged into another would show as a shorter one). The
+//! summary's peak memory then includes the clear's buffer and its reversal (256 MiB).
 //! TFLOPS counts `4·b·h·n²·d`, halved when causal, times 3.5 for `fwdbwd`. A call slower than `--budget-ms` skips the
 //! row with a `#` comment line, and so do the longer lengths of that implementation (also when
 //! the last length's time, scaled by the FLOPs, predicts a call over the budget: a first call,
@@ -96,7 +97,8 @@ usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
            whose rows join the summary printed after the CSV.
 --timing:  b2b (default): calls back to back. clear: a 256 MiB pass over a buffer before
            every call, as PyTorch's do_bench clears the L2 cache, and the calls timed by
-           difference with a batch of clears alone (the clear's time goes to stderr).
+           difference with a batch of clears alone (the clear's time goes to stderr; the
+           summary's peak memory then includes the clear's two 128 MiB buffers).
 --backend: cuda-bare times Burn's CubeBackend without the fusion stream (what the stream costs
            per call); stderr also gives the host's time to issue one call per row.";
 
