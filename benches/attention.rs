@@ -491,9 +491,24 @@ impl<B: FlashAttentionBackend> Clear<B> {
     }
 }
 
-/// `batch` calls issued back to back from input set `first` on (each after a clear, with
-/// `clear`), synchronised once at the end; returns the wall time per call, and the host's time
-/// per call to issue them (the device is starved when the two are close).
+/// `batch` steps issued back to back, synchronised once at the end: the wall time per step,
+/// and the host's time per step to issue them (the device is starved when the two are close).
+fn timed<B: FlashAttentionBackend>(
+    device: &B::Device,
+    batch: usize,
+    mut step: impl FnMut(usize),
+) -> (Duration, Duration) {
+    B::sync(device).expect("device sync");
+    let start = Instant::now();
+    for i in 0..batch {
+        step(i);
+    }
+    let issued = start.elapsed();
+    B::sync(device).expect("device sync");
+    (start.elapsed() / batch as u32, issued / batch as u32)
+}
+
+/// [`timed`] over `batch` calls from input set `first` on, each after a clear with `clear`.
 #[allow(clippy::too_many_arguments)]
 fn timed_batch<B: FlashAttentionBackend>(
     device: &B::Device,
@@ -505,32 +520,12 @@ fn timed_batch<B: FlashAttentionBackend>(
     options: FlashAttentionOptions,
     mut clear: Option<&mut Clear<B>>,
 ) -> (Duration, Duration) {
-    B::sync(device).expect("device sync");
-    let start = Instant::now();
-    for set in first..first + batch {
+    timed::<B>(device, batch, |i| {
         if let Some(clear) = clear.as_deref_mut() {
             clear.run();
         }
-        call(name, inputs[set % inputs.len()].clone(), options);
-    }
-    let issued = start.elapsed();
-    B::sync(device).expect("device sync");
-    (start.elapsed() / batch as u32, issued / batch as u32)
-}
-
-/// `batch` clears alone, synchronised once at the end: the wall time per clear.
-fn timed_clears<B: FlashAttentionBackend>(
-    device: &B::Device,
-    clear: &mut Clear<B>,
-    batch: usize,
-) -> Duration {
-    B::sync(device).expect("device sync");
-    let start = Instant::now();
-    for _ in 0..batch {
-        clear.run();
-    }
-    B::sync(device).expect("device sync");
-    start.elapsed() / batch as u32
+        call(name, inputs[(first + i) % inputs.len()].clone(), options);
+    })
 }
 
 /// How the last row of an (impl, d, causal) series went, to predict the next, longer one.
@@ -739,7 +734,7 @@ fn measure<B: FlashAttentionBackend>(
             // Clears alone first, then clears and calls: the difference is the calls'.
             let alone = clear
                 .as_mut()
-                .map(|clear| timed_clears(device, clear, batch))
+                .map(|clear| timed::<B>(device, batch, |_| clear.run()).0)
                 .unwrap_or_default();
             let (time, issue) = timed_batch(
                 device,
