@@ -9,7 +9,7 @@
 #   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV
 #   scripts/gpu-run.sh timing  # our forward timed b2b and clear (as do_bench), beside the torch script
 #   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
-#   scripts/gpu-run.sh features # issue 6's feature table (FEATURE_MODES, default fwd)
+#   scripts/gpu-run.sh features # issue 6's feature table (FEATURE_MODES, default fwd; BENCH_ARGS)
 #   scripts/gpu-run.sh memory  # one training step per impl and length (b1 h16 d128), one process each
 #   scripts/gpu-run.sh gpt-curves # examples/gpt, GPT-2 small at context 1024, per attention (GPT_ATTN)
 #   scripts/gpu-run.sh gpt-sweep  # tokens/s and memory per context (GPT_CONTEXTS), per attention
@@ -152,12 +152,12 @@ EOF
       for extra in "" "--mask keypad" "--mask full" "--bias heads" "--alibi" "--dropout 0.1" \
           "--softcap 30" ""; do
         $B --impls burn-flash --d 64,128 --n 2048,8192 --causal both \
-          --modes "${FEATURE_MODES:-fwd}" --iters 10 $extra
+          --modes "${FEATURE_MODES:-fwd}" --iters 10 $extra ${BENCH_ARGS:-}
       done
       $B --impls burn-flash --h 32 --hkv 8 --d 128 --n 2048,8192 --causal both \
-        --modes "${FEATURE_MODES:-fwd}" --iters 10
+        --modes "${FEATURE_MODES:-fwd}" --iters 10 ${BENCH_ARGS:-}
       $B --impls burn-flash --window 1024 --d 128 --n 8192,16384 --causal both \
-        --modes "${FEATURE_MODES:-fwd}" --iters 10
+        --modes "${FEATURE_MODES:-fwd}" --iters 10 ${BENCH_ARGS:-}
     } 2>"$OUT/features.err" | awk '/^impl,/ { if (seen++) next } !/^#/' | tee "$OUT/features.csv"
     ;;
   bench)
