@@ -6,7 +6,7 @@
 #   scripts/gpu-run.sh ptests  # the same, one process per test, all at once (TEST_TIMEOUT each)
 #   scripts/gpu-run.sh sanitize # compute-sanitizer (SANITIZERS) over the kernels on ragged shapes
 #   scripts/gpu-run.sh sources # dump the fused kernels' generated CUDA source (forward, backward)
-#   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV
+#   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV (TIMING)
 #   scripts/gpu-run.sh timing  # our forward timed b2b and clear (as do_bench), beside the torch script
 #   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
 #   scripts/gpu-run.sh features # issue 6's feature table (FEATURE_MODES, default fwd; BENCH_ARGS)
@@ -45,6 +45,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=c
 cat "$OUT/gpu.txt"
 
 BENCH_D=${BENCH_D:-64,128}
+# How the bench, features and tune stages time our rows: `clear`, as the torch script's
+# do_bench times PyTorch's (docs/performance.md, "Timing method and the power cap"); BENCH_ARGS
+# may override it per call.
+TIMING=${TIMING:-clear}
 BENCH_N=${BENCH_N:-512,1024,2048,4096,8192,16384}
 
 for stage in "$@"; do
@@ -152,12 +156,12 @@ EOF
       for extra in "" "--mask keypad" "--mask full" "--bias heads" "--alibi" "--dropout 0.1" \
           "--softcap 30" ""; do
         $B --impls burn-flash --d 64,128 --n 2048,8192 --causal both \
-          --modes "${FEATURE_MODES:-fwd}" --iters 10 $extra ${BENCH_ARGS:-}
+          --modes "${FEATURE_MODES:-fwd}" --iters 10 --timing "$TIMING" $extra ${BENCH_ARGS:-}
       done
       $B --impls burn-flash --h 32 --hkv 8 --d 128 --n 2048,8192 --causal both \
-        --modes "${FEATURE_MODES:-fwd}" --iters 10 ${BENCH_ARGS:-}
+        --modes "${FEATURE_MODES:-fwd}" --iters 10 --timing "$TIMING" ${BENCH_ARGS:-}
       $B --impls burn-flash --window 1024 --d 128 --n 8192,16384 --causal both \
-        --modes "${FEATURE_MODES:-fwd}" --iters 10 ${BENCH_ARGS:-}
+        --modes "${FEATURE_MODES:-fwd}" --iters 10 --timing "$TIMING" ${BENCH_ARGS:-}
     } 2>"$OUT/features.err" | awk '/^impl,/ { if (seen++) next } !/^#/' | tee "$OUT/features.csv"
     ;;
   bench)
@@ -165,7 +169,7 @@ EOF
     python3 .gpu/torch_sdpa_bench.py --d "$BENCH_D" --n "$BENCH_N" --causal both \
       --backends flash,cudnn --modes "${TORCH_MODES:-fwd}" 2>"$OUT/torch.err" | tee "$OUT/torch.csv"
     .gpu/bench-attention --d "$BENCH_D" --n "$BENCH_N" --causal both --peers "$OUT/torch.csv" \
-      ${BENCH_ARGS:-} 2>"$OUT/bench.err" | tee "$OUT/bench.csv"
+      --timing "$TIMING" ${BENCH_ARGS:-} 2>"$OUT/bench.err" | tee "$OUT/bench.csv"
     { awk '/^# summary/ { exit } { print }' "$OUT/bench.csv"; grep -v '^impl,' "$OUT/torch.csv"; } \
       >"$OUT/h100.csv"
     sed -n '/^# summary/,$p' "$OUT/bench.csv" >"$OUT/summary.txt"
@@ -195,7 +199,7 @@ EOF
     for shape in ${SHAPES:-4,32,64}; do
       echo "# BURN_FLASH_TC_SHAPE=$shape"
       BURN_FLASH_TC_SHAPE=$shape .gpu/bench-attention --impls burn-flash --d "$BENCH_D" \
-        --n "$BENCH_N" --causal both --iters 20 2>>"$OUT/tune.err" | sed "s/^burn-flash,/burn-flash[$shape],/"
+        --n "$BENCH_N" --causal both --iters 20 --timing "$TIMING" 2>>"$OUT/tune.err" | sed "s/^burn-flash,/burn-flash[$shape],/"
     done | tee -a "$OUT/tune.csv"
     ;;
   memory)
