@@ -76,8 +76,8 @@ for stage in "$@"; do
         [ -e "$f" ] && { echo "=== $(basename "$f" .log) (unfinished)"; cat "$f"; } >>"$OUT/ptests.log"
       done
     }
-    trap 'collect_unfinished; trap - EXIT; exit 143' TERM INT
-    trap collect_unfinished EXIT
+    # TERM and INT only: EXIT may already carry CACHE=1's trap, which `exit` still runs.
+    trap 'collect_unfinished; exit 143' TERM INT
     ptest() {
       local log="$logs/$(basename "$1").${2//::/.}.log"
       ( BURN_FLASH_REQUIRE_CUDA=1 CUBECL_AUTOTUNE_LEVEL=minimal timeout "${TEST_TIMEOUT:-300}" \
@@ -105,7 +105,7 @@ for stage in "$@"; do
       wait
     done
     while read -r t name; do ptest "$t" "$name"; done < <(tests_of serial)
-    trap - EXIT TERM INT
+    trap - TERM INT
     sort "$OUT/ptests.txt"
     ;;
   sanitize)
