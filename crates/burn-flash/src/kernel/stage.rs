@@ -155,11 +155,26 @@ fn copy_chunk<E: Float>(
 ) {
     let in_bounds = global_row < seq;
     let src_start = column_base + select(in_bounds, global_row * row_stride, 0usize);
-    let len = select(in_bounds, CHUNK, 0usize);
+    copy_or_zero_fill(src, src_start, in_bounds, stage, dst, CHUNK);
+}
+
+/// One asynchronous copy of `len` elements from `src[src_start..]` to `stage[dst..]`, or, when
+/// not `in_bounds`, a zero-length source that `cp.async` zero-fills (`src_start` must then still
+/// lie inside `src`).
+#[cube]
+fn copy_or_zero_fill<N: CubePrimitive>(
+    src: &Tensor<N>,
+    src_start: usize,
+    in_bounds: bool,
+    stage: &mut SharedMemory<N>,
+    dst: usize,
+    #[comptime] len: usize,
+) {
+    let src_len = select(in_bounds, len, 0usize);
     copy_async_checked(
-        &src.slice(src_start, src_start + len),
-        &mut stage.slice_mut(dst, dst + CHUNK),
-        CHUNK as u32,
+        &src.slice(src_start, src_start + src_len),
+        &mut stage.slice_mut(dst, dst + len),
+        len as u32,
     );
 }
 
@@ -275,13 +290,8 @@ pub fn copy_input_async<N: CubePrimitive>(
             let in_bounds =
                 key_in_bounds && q_start + lane_row + comptime!(pass * pass_rows) < band.seq_q;
             let src_start = select(in_bounds, lane_src + comptime!(pass) * pass_src, 0usize);
-            let len = select(in_bounds, chunk, 0usize);
             let dst = lane_dst + comptime!(pass * pass_rows * cfg.block_kv);
-            copy_async_checked(
-                &src.slice(src_start, src_start + len),
-                &mut stage.slice_mut(dst, dst + chunk),
-                chunk as u32,
-            );
+            copy_or_zero_fill(src, src_start, in_bounds, stage, dst, chunk);
         }
     } else {
         let chunks = comptime!(rows * chunks_per_row);
@@ -294,13 +304,8 @@ pub fn copy_input_async<N: CubePrimitive>(
                 let (query, key) = (q_start + row, kv_start + col);
                 let in_bounds = query < band.seq_q && key < band.seq_k;
                 let src_start = select(in_bounds, at.base + query * at.row_stride + key, 0usize);
-                let len = select(in_bounds, chunk, 0usize);
                 let dst = stage_base + input_offset(row, col, chunk, cfg);
-                copy_async_checked(
-                    &src.slice(src_start, src_start + len),
-                    &mut stage.slice_mut(dst, dst + chunk),
-                    chunk as u32,
-                );
+                copy_or_zero_fill(src, src_start, in_bounds, stage, dst, chunk);
             }
         }
     }
