@@ -18,6 +18,12 @@ pub const MMA_K: usize = 16;
 /// Elements in one 16-byte shared-memory chunk of a 16-bit type: the unit of async copies,
 /// of `ldmatrix` rows and of the swizzle.
 pub const CHUNK: usize = 8;
+/// Byte alignment of every shared-memory buffer the tensor-core kernels stage 16-byte chunks in.
+/// CubeCL places a kernel's shared memories in hash-set order, one process's layout differing
+/// from the next; at 16-byte alignment a stage could start 16 bytes past a 128-byte line, and the
+/// head dim 128 forward then ran up to 12 % slower in that process (`docs/perf-notes.md`,
+/// seventeenth session). 128 makes every layout line-aligned.
+pub const SMEM_ALIGN: usize = 128;
 
 /// Block shapes and layout of one launch.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]

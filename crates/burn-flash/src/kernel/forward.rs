@@ -12,7 +12,7 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::TilePath;
-use super::config::TileConfig;
+use super::config::{SMEM_ALIGN, TileConfig};
 use super::dropout::{Dropout, keep_mask};
 use super::grid::batch_and_head;
 use super::inputs::{
@@ -299,9 +299,11 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
 ) -> T::Query {
     let mut keys =
-        SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.head_stride()), 16usize);
-    let mut values =
-        SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.value_stride()), 16usize);
+        SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.head_stride()), SMEM_ALIGN);
+    let mut values = SharedMemory::<E>::new_aligned(
+        comptime!(2 * cfg.block_kv * cfg.value_stride()),
+        SMEM_ALIGN,
+    );
     let mut mask_stages = input_stages::<M>(cfg.staged.mask, cfg.mask_stage_len(), 2usize);
     let mut bias_stages = input_stages::<E>(
         cfg.staged.bias,

@@ -12,7 +12,7 @@
 
 use cubecl::prelude::*;
 
-use super::config::TileConfig;
+use super::config::{SMEM_ALIGN, TileConfig};
 use super::mask::Band;
 use super::stage::{copy_input_async, copy_packed_async, input_offset, smem_anchor};
 use super::tile::AttentionTile;
@@ -354,7 +354,7 @@ pub fn input_stages<N: CubePrimitive>(
 ) -> ComptimeOption<SharedMemory<N>> {
     if comptime!(chunk.is_some()) {
         let len = comptime!(stages * len);
-        ComptimeOption::new_Some(SharedMemory::<N>::new_aligned(len, 16usize))
+        ComptimeOption::new_Some(SharedMemory::<N>::new_aligned(len, SMEM_ALIGN))
     } else {
         ComptimeOption::new_None()
     }

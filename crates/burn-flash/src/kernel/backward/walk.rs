@@ -12,7 +12,7 @@
 use cubecl::prelude::*;
 
 use crate::kernel::TilePath;
-use crate::kernel::config::TileConfig;
+use crate::kernel::config::{SMEM_ALIGN, TileConfig};
 use crate::kernel::dropout::{Dropout, keep_mask};
 use crate::kernel::inputs::{
     Views, add_bias, alibi_slope, mask_input_allows, pair_of, write_bias_grad,
@@ -201,13 +201,13 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     if comptime!(cfg.tile == TilePath::TensorCore) {
         let mut first_stages = SharedMemory::<E>::new_aligned(
             comptime!(2 * cfg.block_kv * cfg.head_stride()),
-            16usize,
+            SMEM_ALIGN,
         );
         let mut second_stages = SharedMemory::<E>::new_aligned(
             comptime!(2 * cfg.block_kv * cfg.value_stride()),
-            16usize,
+            SMEM_ALIGN,
         );
-        let mut scratch = SharedMemory::<E>::new_aligned(cfg.scratch_elems(), 16usize);
+        let mut scratch = SharedMemory::<E>::new_aligned(cfg.scratch_elems(), SMEM_ALIGN);
         let barriers = StageBarriers::new();
         sync_cube();
         let (mut member, mut row) = sweep.start(cfg);

@@ -13,7 +13,7 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::AttentionTile;
-use crate::kernel::config::{CHUNK, MMA_K, MMA_M, MMA_N, TileConfig};
+use crate::kernel::config::{CHUNK, MMA_K, MMA_M, MMA_N, SMEM_ALIGN, TileConfig};
 use crate::kernel::stage::{copy_block_async, stage_offset, swizzled_offset};
 
 /// Two 16-bit values in one 32-bit register, or two f32 accumulators: the MMA register unit.
@@ -428,7 +428,7 @@ fn add_tile<E: Float, N: Size>(
 /// Shared memory for one owned block (`cfg.block_q` rows, swizzled like the stages).
 #[cube]
 fn query_stage<E: Float>(#[comptime] cfg: TileConfig) -> SharedMemory<E> {
-    SharedMemory::<E>::new_aligned(comptime!(cfg.block_q * cfg.head_stride()), 16usize)
+    SharedMemory::<E>::new_aligned(comptime!(cfg.block_q * cfg.head_stride()), SMEM_ALIGN)
 }
 
 /// Issue the copies of the owned block of `cfg.block_q` rows from `start` into `stage`.
