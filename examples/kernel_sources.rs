@@ -437,6 +437,11 @@ fn main() {
             let bias = Tensor::<Cube, 4>::empty([1, 2, 256, 256], &Default::default());
             flash_attention_masked(q, k, v, None, Some(bias), FlashAttentionOptions::default());
         });
+        // The forward with Gemma-2's softcap of the scaled scores (30, as the benchmark's rows).
+        run(format!("d{d}_softcap"), || {
+            let [q, k, v] = inputs::<Cube>(d);
+            flash_attention(q, k, v, FlashAttentionOptions::default().with_softcap(30.0));
+        });
         // Dropout: the forward, then both backward launches (deterministic dQ).
         let dropout = FlashAttentionOptions::default().with_dropout(0.1, 7);
         run(format!("d{d}_dropout"), || {

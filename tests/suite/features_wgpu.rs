@@ -196,6 +196,32 @@ fn softcap() {
     );
 }
 
+/// The softcap at the edge of the bounded max (`TileConfig::with_bounded_max`): three keys and a
+/// scale that pushes most scores past the cap, so that about one row in eight sees only scores
+/// near `−cap`, whose probabilities against the bound `cap` are near e^(−2·cap). A cap of 33
+/// takes the bounded max (2⁻⁹⁵ at the extreme); 50 (Gemma-2's) is past its range and takes the
+/// running max, where the bound would underflow those rows to 0.
+#[test]
+fn softcap_at_the_bound() {
+    let case = |problem, causal, cap| {
+        let spec = Spec {
+            causal,
+            softcap: Some(cap),
+            ..Spec::default()
+        };
+        (problem, spec, Some(10.0))
+    };
+    check_all(
+        &[
+            case(Problem::cross(1, 2, 65, 3, 64), false, 33.0),
+            case(Problem::cross(1, 2, 65, 3, 64), false, 50.0),
+            case(Problem::cross(1, 1, 40, 70, 32), true, 33.0),
+        ],
+        310,
+        true,
+    );
+}
+
 /// Everything at once: GQA, a causal sliding window and a softcap, ragged lengths.
 #[test]
 fn combined_features() {

@@ -144,12 +144,20 @@ fn count_non_finite<B: Backend>(tensor: Tensor<B, 4>) -> i64 {
 struct Case {
     problem: Problem,
     spec: Spec,
+    /// `None`: `1 / sqrt(head_dim)`.
+    scale: Option<f64>,
     seed: u64,
 }
 
 impl core::fmt::Display for Case {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(f, "{} {} seed {}", self.problem, self.spec, self.seed)
+        let Case {
+            problem,
+            spec,
+            scale,
+            seed,
+        } = self;
+        write!(f, "{problem} {spec} scale {scale:?} seed {seed}")
     }
 }
 
@@ -188,6 +196,7 @@ fn small_cases(first_seed: u64, other_head_dim: bool) -> Vec<Case> {
         .map(|(index, (problem, spec))| Case {
             problem,
             spec,
+            scale: None,
             seed: first_seed + index as u64,
         })
         .collect()
@@ -205,11 +214,12 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice>>(
     let Case {
         problem,
         spec,
+        scale,
         seed,
     } = case;
     let inputs = Inputs::random(problem, dtype, seed);
     let [q, k, v] = inputs.to_device::<B>(device);
-    let options = spec.options(None);
+    let options = spec.options(scale);
 
     let plan = flash_attention_plan(&q, &k, &v, options)
         .map_err(|e| format!("{dtype:?} {case}: refused: {e}"))?;
@@ -230,12 +240,12 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice>>(
     }
     let fused = to_host(out);
     let call_time = started.elapsed();
-    let (reference, _) = inputs.reference(spec, None);
+    let (reference, _) = inputs.reference(spec, scale);
     let fused_err = error(&fused, &reference, problem.value_dim);
     // The unfused baseline of the rule, for fused low-precision runs (a fallback run is the
     // unfused attention itself: only the sanity bound applies).
     let baseline = (dtype != DType::F32 && plan.is_fused()).then(|| {
-        let unfused = unfused_attention(&inputs, spec, None);
+        let unfused = unfused_attention(&inputs, spec, scale);
         error(&unfused, &reference, problem.value_dim)
     });
     let verdict = judge(dtype, &fused_err, baseline.as_ref());
@@ -263,10 +273,17 @@ fn check_all_small<B: FlashAttentionBackend<Device = CudaDevice>>(
     dtype: DType,
     first_seed: u64,
 ) {
+    check_cases::<B>(test, dtype, &small_cases(first_seed, dtype != DType::F16));
+}
+
+fn check_cases<B: FlashAttentionBackend<Device = CudaDevice>>(
+    test: &str,
+    dtype: DType,
+    cases: &[Case],
+) {
     let Some(device) = cuda_device(test) else {
         return;
     };
-    let cases = small_cases(first_seed, dtype != DType::F16);
     let failures: Vec<String> = cases
         .iter()
         .filter_map(|&case| check_small::<B>(&device, case, dtype).err())
@@ -299,6 +316,35 @@ fn small_shapes_f16() {
 fn small_shapes_bf16_bare_backend() {
     type Bare = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>;
     check_all_small::<Bare>("small_shapes_bf16_bare_backend", DType::BF16, 4000);
+}
+
+/// The softcap at the edge of the forward's bounded max (`features_wgpu::softcap_at_the_bound`
+/// on the tensor cores): a scale that pushes most scores past the cap and few keys, so that
+/// some rows see only scores near `−cap`. bf16 takes the bounded max at cap 33 (probabilities
+/// near 2⁻⁹⁵) and the running max at 50; f16, whose probabilities would underflow against the
+/// bound, takes the running max at both.
+#[test]
+fn softcap_at_the_bound() {
+    let cases: Vec<Case> = [
+        (Problem::cross(1, 2, 130, 3, 64), false, 33.0),
+        (Problem::cross(1, 2, 130, 3, 64), false, 50.0),
+        (Problem::cross(2, 2, 150, 200, 128), true, 33.0),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(index, (problem, causal, cap))| Case {
+        problem,
+        spec: Spec {
+            causal,
+            softcap: Some(cap),
+            ..Spec::default()
+        },
+        scale: Some(10.0),
+        seed: 5000 + index as u64,
+    })
+    .collect();
+    check_cases::<Cuda<half::bf16>>("softcap_at_the_bound", DType::BF16, &cases);
+    check_cases::<Cuda>("softcap_at_the_bound", DType::F16, &cases);
 }
 
 /// f32 inputs are accepted on CUDA and run the portable tile.

@@ -25,6 +25,12 @@ pub const CHUNK: usize = 8;
 /// seventeenth session). 128 makes every layout line-aligned.
 pub const SMEM_ALIGN: usize = 128;
 
+/// The widest range, in powers of two, that probabilities may span below 1 when the forward
+/// subtracts a fixed bound instead of the row max ([`TileConfig::with_bounded_max`]): at least
+/// 2⁻⁹⁶, which leaves 30 binades above f32's smallest normal for the products with the values
+/// (a softcap up to 33.27).
+pub const BOUNDED_MAX_RANGE: f32 = 96.0;
+
 /// Block shapes and layout of one launch.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub struct TileConfig {
@@ -65,6 +71,9 @@ pub struct TileConfig {
     pub bias_grad: bool,
     /// Scores pass through `softcap · tanh(s / softcap)` before the softmax.
     pub softcap: bool,
+    /// The forward's softmax subtracts the softcap's bound instead of a running row max
+    /// ([`with_bounded_max`](Self::with_bounded_max)).
+    pub bounded_max: bool,
     /// Probabilities are dropped and the kept ones rescaled ([`dropout`](super::dropout)).
     pub dropout: bool,
     /// ALiBi's bias is added to the scores ([`alibi_slope`](super::inputs::alibi_slope)).
@@ -144,6 +153,7 @@ impl TileConfig {
             bias: false,
             bias_grad: false,
             softcap: false,
+            bounded_max: false,
             dropout: false,
             alibi: false,
             atomic_dq: false,
@@ -169,6 +179,7 @@ impl TileConfig {
             bias: false,
             bias_grad: false,
             softcap: false,
+            bounded_max: false,
             dropout: false,
             alibi: false,
             atomic_dq: false,
@@ -271,6 +282,21 @@ impl TileConfig {
     /// into the softmax scale: nothing is added to the scores after the cap.
     pub fn softcap_outer_in_scale(&self) -> bool {
         self.softcap && !self.bias && !self.alibi
+    }
+
+    /// These blocks with the softmax's max fixed at the softcap's bound where that is exact:
+    /// with nothing added after the cap, every scaled score lies in `[−cap, cap]`, so
+    /// `exp(x − cap)` lies in `[e^(−2·cap), 1]`; where that range is inside
+    /// [`BOUNDED_MAX_RANGE`] and the probabilities keep f32's exponent range (`p_wide_range`:
+    /// bf16 or f32 inputs), no visible probability underflows, and the forward skips the row
+    /// max, its reductions and the rescale of the output.
+    pub fn with_bounded_max(self, softcap: Option<f32>, p_wide_range: bool) -> Self {
+        let in_range =
+            softcap.is_some_and(|cap| 2.0 * cap * core::f32::consts::LOG2_E <= BOUNDED_MAX_RANGE);
+        Self {
+            bounded_max: self.softcap_outer_in_scale() && p_wide_range && in_range,
+            ..self
+        }
     }
 
     /// m16 row blocks each plane owns (tensor-core tile).

@@ -182,7 +182,9 @@ pub fn forward<R: CubeRuntime>(
         return (out, lse);
     }
 
-    let cfg = forward_config(tile, head_dim, value_dim).with_scores(&params);
+    let cfg = forward_config(tile, head_dim, value_dim)
+        .with_scores(&params)
+        .with_bounded_max(params.softcap, matches!(q.dtype, DType::BF16 | DType::F32));
     let (cfg, inputs, hidden_blocks) = stage_inputs(&client, cfg, inputs, q.dtype);
     let cfg = cfg.with_batch_inner(batch_inner(&inputs, batch));
     let cube_dim = cube_dim(&cfg);

@@ -38,9 +38,11 @@ pub fn init_stats(neg_inf: f32, #[comptime] cfg: TileConfig) -> RowStats {
     let rows = comptime!(cfg.rows_per_unit());
     let mut max = Array::<f32>::new(rows);
     let mut sum = Array::<f32>::new(rows);
+    // A bounded max is the softcap's bound, 1 in the units of `tanh(inner · s)`.
+    let first = select(cfg.bounded_max, 1.0f32, neg_inf);
     #[unroll]
     for r in 0..rows {
-        max[r] = neg_inf;
+        max[r] = first;
         sum[r] = 0.0;
     }
     RowStats { max, sum }
@@ -100,7 +102,8 @@ const RESCALE_SLACK: f32 = 8.0 * core::f32::consts::LOG2_E;
 /// exp(scale·(m_old − m_new)), only when some row of the unit's plane saw its max grow by more
 /// than [`RESCALE_SLACK`]; otherwise the block is exponentiated against the old max. The result
 /// is exact either way (numerator, sum and log-sum-exp all use the same `m`), and after the first
-/// few blocks the rescale of every output register is usually skipped.
+/// few blocks the rescale of every output register is usually skipped. With
+/// [`TileConfig::bounded_max`], `m` is the softcap's bound throughout.
 #[cube]
 pub fn online_update<E: Float, T: AttentionTile<E>>(
     scores: &mut Array<f32>,
@@ -110,8 +113,33 @@ pub fn online_update<E: Float, T: AttentionTile<E>>(
     neg_inf: f32,
     #[comptime] cfg: TileConfig,
 ) {
-    let rows = comptime!(cfg.rows_per_unit());
     let scale2 = scale * core::f32::consts::LOG2_E;
+    if comptime!(cfg.bounded_max) {
+        // The max is the softcap's bound (`stats.max` = 1): no reduction, no rescale, and each
+        // score's `tanh` feeds its `exp2` directly.
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let slot = comptime!(cfg.score_slot(reg));
+            let p = exp2(scores[reg] * scale2 - scale2, cfg.tile);
+            scores[reg] = p;
+            stats.sum[slot] += p;
+        }
+    } else {
+        online_update_running::<E, T>(scores, stats, out, scale2, neg_inf, cfg);
+    }
+}
+
+/// [`online_update`] against the running row max (`scale2` = scale · log2 e).
+#[cube]
+fn online_update_running<E: Float, T: AttentionTile<E>>(
+    scores: &mut Array<f32>,
+    stats: &mut RowStats,
+    out: &mut Array<f32>,
+    scale2: f32,
+    neg_inf: f32,
+    #[comptime] cfg: TileConfig,
+) {
+    let rows = comptime!(cfg.rows_per_unit());
     let mut block_max = Array::<f32>::new(rows);
     #[unroll]
     for r in 0..rows {
