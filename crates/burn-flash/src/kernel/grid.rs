@@ -12,7 +12,7 @@ use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
 use super::config::TileConfig;
-use super::launch::ScoreInputs;
+use super::launch::{ScoreInputs, flag_override};
 
 /// (batch, head) of this cube.
 #[cube]
@@ -38,18 +38,7 @@ pub fn cube_count(cfg: &TileConfig, rows: usize, heads: usize, batch: usize) -> 
 /// sequences. `BURN_FLASH_BATCH_INNER=0|1` decides instead (tuning runs).
 pub fn batch_inner<R: CubeRuntime>(inputs: &ScoreInputs<R>, batch: usize) -> bool {
     static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
-    let forced = OVERRIDE.get_or_init(|| {
-        let text = std::env::var("BURN_FLASH_BATCH_INNER").ok()?;
-        let forced = match text.trim() {
-            "0" => Some(false),
-            "1" => Some(true),
-            _ => None,
-        };
-        if forced.is_none() {
-            log::warn!("ignoring BURN_FLASH_BATCH_INNER={text:?}: expected 0 or 1");
-        }
-        forced
-    });
+    let forced = OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_BATCH_INNER"));
     forced.unwrap_or_else(|| {
         batch > 1
             && inputs

@@ -114,6 +114,20 @@ fn forward_config(tile: TilePath, head_dim: usize, value_dim: usize) -> TileConf
     }
 }
 
+/// `0` (false) or `1` (true) from environment variable `name` (tuning runs), if set and valid.
+pub(crate) fn flag_override(name: &str) -> Option<bool> {
+    let text = std::env::var(name).ok()?;
+    let flag = match text.trim() {
+        "0" => Some(false),
+        "1" => Some(true),
+        _ => None,
+    };
+    if flag.is_none() {
+        log::warn!("ignoring {name}={text:?}: expected 0 or 1");
+    }
+    flag
+}
+
 /// `planes,plane_rows,block_kv` from environment variable `name` (tuning runs), if set and
 /// valid.
 pub(crate) fn shape_override(name: &str) -> Option<(usize, usize, usize)> {

@@ -17,8 +17,8 @@ use crate::kernel::TilePath;
 use crate::kernel::config::{MMA_M, ScoreParams, TileConfig};
 use crate::kernel::grid::{batch_inner, cube_count};
 use crate::kernel::launch::{
-    ScoreInputs, address_type, cube_dim, fill_tensor, fits_shared, output, shape_override,
-    usable_tile, vector_width,
+    ScoreInputs, address_type, cube_dim, fill_tensor, fits_shared, flag_override, output,
+    shape_override, usable_tile, vector_width,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 
@@ -133,13 +133,18 @@ fn atomic_dq_usable<R: CubeRuntime>(
 /// (`docs/backward.md`): on the tensor-core tile from head dim 128 over at least 1024 keys, 2048
 /// when causal (4–15 % faster there). Shorter, causal-short and head-dim-64 backwards are faster
 /// with dQ's own launch, and the portable tile's per-unit atomics always are.
-/// [`force_atomic_dq`](crate::testing::force_atomic_dq) overrides this for tests.
+/// [`force_atomic_dq`](crate::testing::force_atomic_dq) overrides this for tests, and
+/// `BURN_FLASH_DQ_ATOMIC=0|1` for tuning runs.
 fn atomic_dq_faster(cfg: &TileConfig, seq_k: usize) -> bool {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    let forced = OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_DQ_ATOMIC"));
     let min_keys = if cfg.mask.right { 2048 } else { 1024 };
     crate::testing::atomic_dq_forced()
-        || (cfg.tile == TilePath::TensorCore
-            && cfg.head_dim.max(cfg.value_dim) >= 128
-            && seq_k >= min_keys)
+        || forced.unwrap_or(
+            cfg.tile == TilePath::TensorCore
+                && cfg.head_dim.max(cfg.value_dim) >= 128
+                && seq_k >= min_keys,
+        )
 }
 
 /// Columns per atomic add of the dQ accumulator on the tensor-core tile: 2 where the runtime
