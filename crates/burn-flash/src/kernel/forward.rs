@@ -14,7 +14,7 @@ use cubecl::prelude::*;
 use super::TilePath;
 use super::config::{SMEM_ALIGN, TileConfig};
 use super::dropout::{Dropout, keep_mask};
-use super::grid::batch_and_head;
+use super::grid::{batch_and_head, row_block};
 use super::inputs::{
     Views, add_bias, alibi_slope, block_visible, fetch_bias, fetch_inputs, hidden_row, hide_packed,
     input_stages, packed_block, visible_range,
@@ -83,15 +83,16 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         q.shape(1),
         k.shape(2),
     );
+    let block = row_block(cfg);
     let coords = Coords {
         q_base: batch * q.stride(0) + head * q.stride(1),
         k_base: batch * k.stride(0) + kv_head * k.stride(1),
         v_base: batch * v.stride(0) + kv_head * v.stride(1),
-        q_start: CUBE_POS_X as usize * cfg.block_q,
+        q_start: block * cfg.block_q,
         band: Band::new(q, k, band_left, band_right),
         softcap: Softcap::new(scale, softcap),
         views: Views::new::<E, M>(mask, bias, batch, head),
-        hidden_row: hidden_row(hidden_blocks, batch, head, CUBE_POS_X as usize),
+        hidden_row: hidden_row(hidden_blocks, batch, head, block),
         dropout,
         head_key: dropout.head_key(batch, head),
         alibi: alibi_slope(head, alibi_pow2) / scale,

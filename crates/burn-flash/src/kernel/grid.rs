@@ -1,4 +1,5 @@
-//! The launch grid: one cube per (row block, head, batch), row blocks stepped through first. Heads
+//! The launch grid: one cube per (row block, head, batch), row blocks stepped through first (last
+//! first where a right bound makes the last ones the longest, [`row_block`]). Heads
 //! come before batches by default, so that the cubes of one sequence run together and a mask shared
 //! by its heads is read from memory about once. A bias shared by the batch (`[1, h, sq, sk]`, a
 //! relative-position bias) turns that around: read once per sequence, it would be the largest
@@ -21,6 +22,22 @@ pub fn batch_and_head(#[comptime] cfg: TileConfig) -> (usize, usize) {
         (CUBE_POS_Y as usize, CUBE_POS_Z as usize)
     } else {
         (CUBE_POS_Z as usize, CUBE_POS_Y as usize)
+    }
+}
+
+/// This cube's row block. Where a right bound (causal) gives the last row blocks the most keys,
+/// the grid's x runs backwards: cubes are dispatched in launch order, so the longest of each
+/// (batch, head) start first and the last wave ends with the shortest, instead of a few long
+/// cubes running on while the other SMs idle (longest processing time first).
+// The cube's built-ins are placeholder constants on the host side, where rustc would evaluate
+// the subtraction; in the kernel `CUBE_POS_X < CUBE_COUNT_X`.
+#[allow(arithmetic_overflow)]
+#[cube]
+pub fn row_block(#[comptime] cfg: TileConfig) -> usize {
+    if comptime!(cfg.mask.right) {
+        (CUBE_COUNT_X - 1 - CUBE_POS_X) as usize
+    } else {
+        CUBE_POS_X as usize
     }
 }
 

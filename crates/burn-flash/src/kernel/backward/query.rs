@@ -7,7 +7,7 @@ use cubecl::prelude::*;
 use super::walk::{Span, Sweep, walk};
 use crate::kernel::config::TileConfig;
 use crate::kernel::dropout::Dropout;
-use crate::kernel::grid::batch_and_head;
+use crate::kernel::grid::{batch_and_head, row_block};
 use crate::kernel::mask::{Band, kv_blocks};
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
@@ -44,7 +44,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     let (batch, head) = batch_and_head(cfg);
     let kv_head = head / (q.shape(1) / k.shape(1));
     let span = Span {
-        owned_start: CUBE_POS_X as usize * cfg.block_q,
+        owned_start: row_block(cfg) * cfg.block_q,
         band: Band::new(q, k, band_left, band_right),
         softcap: Softcap::new(scale, softcap),
         inv_scale: 1.0 / scale,
