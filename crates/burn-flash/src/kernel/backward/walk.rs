@@ -101,13 +101,25 @@ fn query_stat(stat: &Tensor<f32>, stat_base: usize, span: Span, query: usize) ->
     select(valid, stat[stat_base + select(valid, query, 0usize)], 0.0)
 }
 
+/// Whether value `id` of a block of statistics from `first_row` exists (see [`fetch_stats`]),
+/// and its query row.
+#[cube]
+fn stat_row(
+    id: usize,
+    first_row: usize,
+    seq_q: usize,
+    #[comptime] cfg: TileConfig,
+) -> (bool, usize) {
+    let row = first_row + id % cfg.block_kv;
+    (row < seq_q && id < comptime!(2 * cfg.block_kv), row)
+}
+
 /// This unit's share of the log-sum-exp and D of the queries `[first_row, first_row +
-/// cfg.block_kv)` of the head at `stat_base` (0 past the end), into `values`: value `id` of the
-/// block is the log-sum-exp of row `id` below `cfg.block_kv` (in base 2, as the probabilities'
-/// `exp2` takes it), else D of row `id - cfg.block_kv`.
-/// Owning keys, every score register needs the statistics of its staged query: staged in shared
-/// memory with the block, they cost two shared reads per column pair instead of two global reads
-/// and bound checks per register.
+/// cfg.block_kv)` of the head at `stat_base`, as loaded, into `values`: value `id` of the block
+/// is the log-sum-exp of row `id` below `cfg.block_kv`, else D of row `id - cfg.block_kv`
+/// ([`store_stats`] converts them). Owning keys, every score register needs the statistics of
+/// its staged query: staged in shared memory with the block, they cost two shared reads per
+/// column pair instead of two global reads and bound checks per register.
 #[cube]
 fn fetch_stats(
     lse: &Tensor<f32>,
@@ -121,31 +133,40 @@ fn fetch_stats(
     #[unroll]
     for i in 0..comptime!(cfg.stats_per_unit()) {
         let id = comptime!(i * cfg.units()) + UNIT_POS as usize;
-        let row = first_row + id % cfg.block_kv;
-        let valid = row < seq_q && id < comptime!(2 * cfg.block_kv);
+        let (valid, row) = stat_row(id, first_row, seq_q, cfg);
         let at = stat_base + select(valid, row, 0usize);
-        let value = if id < cfg.block_kv {
-            lse[at] * core::f32::consts::LOG2_E
+        values[i] = if id < cfg.block_kv {
+            lse[at]
         } else {
             delta[at]
         };
-        values[i] = select(valid, value, 0.0);
     }
 }
 
-/// Store [`fetch_stats`]' values into slot `slot` of `stats` (`2 · cfg.block_kv` per slot).
+/// Store [`fetch_stats`]' values for the block from `first_row` into slot `slot` of `stats`
+/// (`2 · cfg.block_kv` per slot): the log-sum-exp in base 2, as the probabilities' `exp2` takes
+/// it, and 0 past the end. Converted here, after the block they were fetched behind, rather than
+/// as they arrive: the conversion would wait for the loads at once.
 #[cube]
 fn store_stats(
     values: &Array<f32>,
     stats: &mut SharedMemory<f32>,
     slot: usize,
+    first_row: usize,
+    seq_q: usize,
     #[comptime] cfg: TileConfig,
 ) {
     #[unroll]
     for i in 0..comptime!(cfg.stats_per_unit()) {
         let id = comptime!(i * cfg.units()) + UNIT_POS as usize;
+        let (valid, _row) = stat_row(id, first_row, seq_q, cfg);
+        let value = select(
+            id < cfg.block_kv,
+            values[i] * core::f32::consts::LOG2_E,
+            values[i],
+        );
         if id < comptime!(2 * cfg.block_kv) {
-            stats[slot * comptime!(2 * cfg.block_kv) + id] = values[i];
+            stats[slot * comptime!(2 * cfg.block_kv) + id] = select(valid, value, 0.0);
         }
     }
 }
@@ -227,7 +248,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             );
             if comptime!(owns_keys) {
                 fetch_step_stats(lse, delta, sweep, member, row, seq, &mut next_stats, cfg);
-                store_stats(&next_stats, &mut stats, 0, cfg);
+                store_stats(&next_stats, &mut stats, 0, row, seq, cfg);
             }
         }
         for step in 0..steps {
@@ -292,7 +313,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             if comptime!(owns_keys) {
                 // Every unit passed this stage's wait, so none still reads the other slot (after
                 // the last block this stores stale values that nobody reads).
-                store_stats(&next_stats, &mut stats, 1 - stage, cfg);
+                store_stats(&next_stats, &mut stats, 1 - stage, next_row, seq, cfg);
             }
             member = next_member;
             row = next_row;
@@ -337,7 +358,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                     &mut next_stats,
                     cfg,
                 );
-                store_stats(&next_stats, &mut stats, 0, cfg);
+                store_stats(&next_stats, &mut stats, 0, first_row, seq, cfg);
             }
             sync_cube();
             block_grads::<E, M, T, N>(
