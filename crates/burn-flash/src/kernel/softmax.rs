@@ -117,15 +117,32 @@ pub fn online_update<E: Float, T: AttentionTile<E>>(
     if comptime!(cfg.bounded_max) {
         // The max is the softcap's bound (`stats.max` = 1): no reduction, no rescale, and each
         // score's `tanh` feeds its `exp2` directly.
+        let mut shift = Array::<f32>::new(comptime!(cfg.rows_per_unit()));
         #[unroll]
-        for reg in 0..cfg.score_regs() {
-            let slot = comptime!(cfg.score_slot(reg));
-            let p = exp2(scores[reg] * scale2 - scale2, cfg.tile);
-            scores[reg] = p;
-            stats.sum[slot] += p;
+        for r in 0..cfg.rows_per_unit() {
+            shift[r] = scale2;
         }
+        exponentiate(scores, stats, scale2, &shift, cfg);
     } else {
         online_update_running::<E, T>(scores, stats, out, scale2, neg_inf, cfg);
+    }
+}
+
+/// Every score `s` of the block becomes `2^(scale2 · s − shift[row])`, added to its row's sum.
+#[cube]
+fn exponentiate(
+    scores: &mut Array<f32>,
+    stats: &mut RowStats,
+    scale2: f32,
+    shift: &Array<f32>,
+    #[comptime] cfg: TileConfig,
+) {
+    #[unroll]
+    for reg in 0..cfg.score_regs() {
+        let slot = comptime!(cfg.score_slot(reg));
+        let p = exp2(scores[reg] * scale2 - shift[slot], cfg.tile);
+        scores[reg] = p;
+        stats.sum[slot] += p;
     }
 }
 
@@ -181,13 +198,7 @@ fn online_update_running<E: Float, T: AttentionTile<E>>(
     for r in 0..rows {
         shift[r] = select(stats.max[r] == neg_inf, 0.0, stats.max[r] * scale2);
     }
-    #[unroll]
-    for reg in 0..cfg.score_regs() {
-        let slot = comptime!(cfg.score_slot(reg));
-        let p = exp2(scores[reg] * scale2 - shift[slot], cfg.tile);
-        scores[reg] = p;
-        stats.sum[slot] += p;
-    }
+    exponentiate(scores, stats, scale2, &shift, cfg);
 }
 
 /// Per row of the unit: the factor that normalises the output (0 for a row with no visible key,
