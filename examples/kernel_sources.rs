@@ -10,7 +10,8 @@
 //! source, which CubeCL only produces inside a launch. This runs the public API (bf16, b 1, h 2,
 //! seq 256, per head dim: forward, then forward + backward with the deterministic and the atomic
 //! dQ, each without and with the causal mask; then the forward with a per-pair boolean mask,
-//! with a bias, and the forward + deterministic backward with dropout) on
+//! with a bias, with a softcap, causal with ALiBi, and the forward + deterministic backward with
+//! dropout) on
 //! `FakeCuda`: a runtime with CubeCL's CUDA
 //! compiler and the device properties the CUDA runtime reports for an H100 (sm_90, 132 SMs,
 //! 227 KiB of shared memory per block), whose server compiles each new kernel as the CUDA
@@ -441,6 +442,11 @@ fn main() {
         run(format!("d{d}_softcap"), || {
             let [q, k, v] = inputs::<Cube>(d);
             flash_attention(q, k, v, FlashAttentionOptions::default().with_softcap(30.0));
+        });
+        // ALiBi, causal (its blocks walked from the diagonal down).
+        run(format!("d{d}_alibi"), || {
+            let [q, k, v] = inputs::<Cube>(d);
+            flash_attention(q, k, v, FlashAttentionOptions::causal().with_alibi(true));
         });
         // Dropout: the forward, then both backward launches (deterministic dQ).
         let dropout = FlashAttentionOptions::default().with_dropout(0.1, 7);

@@ -1016,8 +1016,11 @@ mod cuda {
         );
     }
 
-    /// ALiBi on the tensor cores: 12 heads causal at d 128, 6 heads (interleaved slopes) over 2
-    /// key/value heads with a bias gradient at d 64, not causal, more keys than queries.
+    /// ALiBi on the tensor cores, whose forward walks a query block's KV blocks from its
+    /// diagonal down, then up: 12 heads causal at d 128, 6 heads (interleaved slopes) over 2
+    /// key/value heads with a bias gradient at d 64, not causal, more keys than queries; a
+    /// document mask (whole blocks skipped, the walk narrowed to the visible ones); a window
+    /// over fewer keys than queries (early rows' diagonals left of key 0).
     #[test]
     fn alibi_cuda() {
         check_all(
@@ -1035,6 +1038,24 @@ mod cuda {
                     Spec::from(false),
                     MaskInput::None,
                     bias([1, 6, 130, 260]),
+                )
+                .with_alibi(),
+                Case::new(
+                    Problem::square(2, 4, 520, 64),
+                    Spec::from(false),
+                    MaskInput::Documents(150),
+                    None,
+                )
+                .with_alibi(),
+                Case::new(
+                    Problem::cross(1, 8, 333, 200, 128),
+                    Spec {
+                        left: Some(90),
+                        right: Some(70),
+                        ..Spec::default()
+                    },
+                    MaskInput::None,
+                    None,
                 )
                 .with_alibi(),
             ],
