@@ -443,7 +443,7 @@ fn main() {
             let [q, k, v] = inputs::<Cube>(d);
             flash_attention(q, k, v, FlashAttentionOptions::default().with_softcap(30.0));
         });
-        // ALiBi, causal (its blocks walked from the diagonal down).
+        // ALiBi, causal: the distance's multiply-add and subtraction per score.
         run(format!("d{d}_alibi"), || {
             let [q, k, v] = inputs::<Cube>(d);
             flash_attention(q, k, v, FlashAttentionOptions::causal().with_alibi(true));

@@ -1016,8 +1016,7 @@ mod cuda {
         );
     }
 
-    /// ALiBi on the tensor cores, whose forward walks a query block's KV blocks from its
-    /// diagonal down, then up: 12 heads causal at d 128, 6 heads (interleaved slopes) over 2
+    /// ALiBi on the tensor cores: 12 heads causal at d 128, 6 heads (interleaved slopes) over 2
     /// key/value heads with a bias gradient at d 64, not causal, more keys than queries; a
     /// document mask (whole blocks skipped, the walk narrowed to the visible ones); a window
     /// over fewer keys than queries (early rows' diagonals left of key 0).
