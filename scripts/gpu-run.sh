@@ -247,12 +247,13 @@ EOF
     mkdir -p /tmp/nccl && ln -sf "$(ls "$nccl"/libnccl.so* | head -1)" /tmp/nccl/libnccl.so
     export LD_LIBRARY_PATH=/tmp/nccl:$LD_LIBRARY_PATH
     # Autotune results are kept per device index; the GPUs of one machine are alike, so the
-    # first device's serve the others instead of five more minutes of tuning each.
+    # first device's serve the others instead of five more minutes of tuning each (copied
+    # before each run: the one-GPU run fills them when no cache came along).
     tuned=target/autotune/0.10.0/device-0-0-cuda
-    for i in 1 2 3 4 5 6 7; do
-      [ -d "$tuned" ] && [ ! -e "${tuned%0-cuda}$i-cuda" ] && cp -r "$tuned" "${tuned%0-cuda}$i-cuda"
-    done
     for db in ${GPT_MULTI:-1:16 2:32 2:16}; do
+      for i in 1 2 3 4 5 6 7; do
+        [ -d "$tuned" ] && [ ! -e "${tuned%0-cuda}$i-cuda" ] && cp -r "$tuned" "${tuned%0-cuda}$i-cuda"
+      done
       timeout "$(gpt_limit)" "${GPT[@]}" --attention flash --context 1024 \
         --devices "${db%:*}" --batch "${db#*:}" --steps "${GPT_STEPS:-100}" --warmup 10 \
         --eval-every 50 --eval-batches 4 --csv "$OUT/gpt-multi-${db/:/x}.csv" \

@@ -202,9 +202,27 @@ fn main() -> ExitCode {
     }
 }
 
+/// CubeCL 0.10 gives each thread its own stream on a device, with its own memory pool, and
+/// training on several GPUs it lost track of tensors that came from another device
+/// ("Memory page 0 doesn't exist", then failed allocations within a dozen steps on two H100s;
+/// `docs/gpt.md`). With one stream per device every tensor of a device lives in one pool, and
+/// the same run trains. Set before CubeCL reads its configuration, which is otherwise taken as
+/// CubeCL would (`cubecl.toml` or `burn.toml` upwards from the working directory, then the
+/// environment).
+#[cfg(feature = "cuda")]
+fn one_stream_per_device() {
+    use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+    let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+    config.streaming.max_streams = 1;
+    CubeClRuntimeConfig::set(config);
+}
+
 fn run(args: &Args) -> Result<(), String> {
     #[cfg(feature = "cuda")]
     if args.device != "wgpu" {
+        if args.devices > 1 {
+            one_stream_per_device();
+        }
         match burn_flash_suite::cuda_device() {
             Ok(device) => {
                 use burn::backend::cuda::CudaDevice;
