@@ -266,6 +266,34 @@ impl TileConfig {
         }
     }
 
+    /// Staged rows per plane of the atomic dQ's product (`Gᵀ · owned`): the staged block over
+    /// the groups of split planes.
+    pub fn dq_plane_rows(&self) -> usize {
+        self.block_kv / (self.planes / self.split)
+    }
+
+    /// Columns of the atomic dQ's product per pass: a plane's part of the head dim is covered
+    /// 64 columns at a time (32 where 64 does not divide it), so that the f32 accumulators
+    /// (32 registers per 64 columns) fit beside dK and dV.
+    pub fn dq_chunk_cols(&self) -> usize {
+        if (self.head_dim / self.split).is_multiple_of(64) {
+            64
+        } else {
+            32
+        }
+    }
+
+    /// f32 elements of the atomic dQ's staging on the tensor-core tile: each plane's rows of
+    /// one chunk, rows padded by 8 columns so that the 8 rows of a quad's pairs fall in
+    /// distinct banks.
+    pub fn dq_stage_elems(&self) -> usize {
+        if self.atomic_dq && self.tile == TilePath::TensorCore {
+            self.planes * self.dq_plane_rows() * (self.dq_chunk_cols() + 8)
+        } else {
+            1
+        }
+    }
+
     /// The same blocks and layout for products of other widths: the backward multiplies
     /// `V·dOᵀ` (both `value_dim` wide) beside `K·Qᵀ`, and accumulates `dS·Q` (`head_dim` wide)
     /// beside `P·dO`.
@@ -511,7 +539,7 @@ impl TileConfig {
         };
         self.shared_bytes(elem_size)
             + (second + self.scratch_elems()) * elem_size
-            + self.stats_elems() * 4
+            + (self.stats_elems() + self.dq_stage_elems()) * 4
     }
 
     /// f32 elements of the backward's staged query statistics (log-sum-exp and D per staged

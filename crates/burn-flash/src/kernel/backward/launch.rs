@@ -147,11 +147,10 @@ fn atomic_dq_faster(cfg: &TileConfig, seq_k: usize) -> bool {
         )
 }
 
-/// Columns per atomic add of the dQ accumulator on the tensor-core tile: 2 where the runtime
-/// adds `float2` atomically (CUDA on SM90+), else 1 (and always 1 on the portable tile, whose
+/// Columns per atomic add of the dQ accumulator on the tensor-core tile: 4 where the runtime
+/// adds `float4` atomically (CUDA on SM90+), else 1 (and always 1 on the portable tile, whose
 /// units add single elements). `BURN_FLASH_DQ_VECTOR=1|2|4` picks the width for tuning runs
-/// (1 runs the SM80 form on newer GPUs; 4, `float4`, costs a shuffle exchange per tile); a width
-/// the runtime cannot add falls back to 1.
+/// (1 runs the SM80 form on newer GPUs); a width the runtime cannot add falls back to 1.
 fn dq_vector_width<R: CubeRuntime>(client: &ComputeClient<R>, cfg: &TileConfig) -> usize {
     static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
     let wanted = OVERRIDE
@@ -163,7 +162,7 @@ fn dq_vector_width<R: CubeRuntime>(client: &ComputeClient<R>, cfg: &TileConfig) 
             }
             width
         })
-        .unwrap_or(2);
+        .unwrap_or(4);
     let vector =
         Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(wanted);
     let adds = client

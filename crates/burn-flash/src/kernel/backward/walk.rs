@@ -229,6 +229,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             SMEM_ALIGN,
         );
         let mut scratch = SharedMemory::<E>::new_aligned(cfg.scratch_elems(), SMEM_ALIGN);
+        let mut staging = SharedMemory::<f32>::new_aligned(cfg.dq_stage_elems(), SMEM_ALIGN);
         let barriers = StageBarriers::new();
         sync_cube();
         let (mut member, mut row) = sweep.start(cfg);
@@ -303,6 +304,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 grad_first,
                 grad_second,
                 &mut scratch,
+                &mut staging,
                 accum,
                 sweep.accum_base + member * sweep.accum_step,
                 &stats,
@@ -320,6 +322,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         }
     } else {
         let mut scratch = SharedMemory::<E>::new(1usize);
+        let mut staging = SharedMemory::<f32>::new(1usize);
         let mut first_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.head_dim));
         let mut second_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.value_dim));
         let (mut member, mut first_row) = sweep.start(cfg);
@@ -380,6 +383,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 grad_first,
                 grad_second,
                 &mut scratch,
+                &mut staging,
                 accum,
                 sweep.accum_base + member * sweep.accum_step,
                 &stats,
@@ -474,6 +478,7 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     grad_first: &mut Array<f32>,
     grad_second: &mut Array<f32>,
     scratch: &mut SharedMemory<E>,
+    staging: &mut SharedMemory<f32>,
     accum: &mut ComptimeOption<Tensor<Atomic<Vector<f32, N>>>>,
     accum_base: usize,
     stats: &SharedMemory<f32>,
@@ -631,6 +636,7 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             &grads,
             first_owned,
             scratch,
+            staging,
             accum,
             accum_base,
             staged_start,

@@ -268,16 +268,15 @@ fn rows_product<E: Float>(
 
 /// `accum += Gᵀ · owned` for this plane's staged rows and columns: `scratch` holds `G` (owned ×
 /// staged, swizzled, `cfg.block_kv` wide), `owned` the owned rows (`cfg.head_dim` wide). Each
-/// group of split planes takes `cfg.block_kv / (cfg.planes / cfg.split)` staged rows, each of
-/// its planes its part of the head dim (all of it without a split). The part is covered 64
-/// columns at a time (32 where 64 does not divide it) so that the f32 accumulators (32
-/// registers per chunk) fit beside the launch's dK and dV; each chunk is then added to `accum`
-/// by [`add_tile`], `N` columns per atomic.
+/// group of split planes takes `cfg.dq_plane_rows()` staged rows, each of its planes its part of
+/// the head dim (all of it without a split), `cfg.dq_chunk_cols()` columns at a time; each
+/// chunk goes through the plane's region of `staging` to [`add_rows`].
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn transposed_product<E: Float, N: Size>(
     scratch: &SharedMemory<E>,
     owned: &SharedMemory<E>,
+    staging: &mut SharedMemory<f32>,
     accum: &mut Tensor<Atomic<Vector<f32, N>>>,
     accum_base: usize,
     staged_start: usize,
@@ -285,16 +284,15 @@ fn transposed_product<E: Float, N: Size>(
     #[comptime] cfg: TileConfig,
 ) {
     let def = definition::<E>();
-    let plane_rows = comptime!(cfg.block_kv / (cfg.planes / cfg.split));
+    let plane_rows = comptime!(cfg.dq_plane_rows());
     let m_tiles = comptime!(plane_rows / MMA_M);
     let part_cols = comptime!(cfg.head_dim / cfg.split);
-    let chunk_cols = comptime!(if part_cols % 64 == 0 { 64 } else { 32 });
+    let chunk_cols = comptime!(cfg.dq_chunk_cols());
     let out_tiles = comptime!(chunk_cols / MMA_N);
     let lane = UNIT_POS_X as usize;
     let plane_first = UNIT_POS_Y as usize / cfg.split * plane_rows;
     // The part's first column: whole swizzle groups (`with_split`), added to the bases.
     let part_col = plane_part(cfg) * part_cols;
-    let accum_base = accum_base + part_col;
     // ldmatrix.x4.trans on G rows: lane l addresses owned row l / 16 · 8 + l % 8 at the 8 staged
     // columns (l / 8) % 2, giving the matrices (staged +0, owned +0), (+8, +0), (+0, +8),
     // (+8, +8): the A operand of one 16-deep step of Gᵀ.
@@ -343,83 +341,97 @@ fn transposed_product<E: Float, N: Size>(
                 m_tiles,
             );
         }
-        #[unroll]
-        for m in 0..m_tiles {
-            #[unroll]
-            for tile in 0..out_tiles {
-                add_tile::<E, N>(
-                    &acc_regs,
-                    comptime!((m * out_tiles + tile) * 4),
-                    accum,
-                    accum_base,
-                    staged_start + plane_first + comptime!(m * MMA_M),
-                    comptime!(part * chunk_cols + tile * MMA_N),
-                    staged_len,
-                    cfg,
-                );
-            }
+        if comptime!(part > 0) {
+            // The plane's lanes are done reading the previous chunk's rows.
+            sync_plane();
         }
+        add_rows::<E, N>(
+            &acc_regs,
+            staging,
+            accum,
+            accum_base + part_col + comptime!(part * chunk_cols),
+            staged_start + plane_first,
+            staged_len,
+            cfg,
+        );
     }
 }
 
-/// Add the m16n8 accumulator tile at registers `first..first + 4` to rows `row0..row0 + 16`,
-/// columns `col0..col0 + 8` of `accum` (`cfg.head_dim` wide, from element `accum_base`), skipping
-/// rows at or past `staged_len`. A lane holds columns (2t, 2t + 1) of rows g and g + 8. `N` is
-/// 2, 4 or 1: 2-wide atomics (SM90 adds a `float2` in one instruction) add each row's pair as it
-/// lies; for 4-wide ones lanes t and t ^ 1 swap halves by a shuffle so that the even one holds 4
-/// columns of row g and the odd one 4 of row g + 8 (half the atomics, two shuffles and six
-/// selects more); else each lane adds its 4 elements one by one.
+/// Add this plane's accumulator tiles `regs` (`cfg.dq_plane_rows()` rows, `cfg.dq_chunk_cols()`
+/// columns) to rows `row0..` of `accum` (`cfg.head_dim` wide, from column `accum_base` of its
+/// row 0), skipping rows at or past `staged_len`. A lane holds pairs of columns of rows g and
+/// g + 8 of each tile: atomics from there would each touch 8 rows. The plane writes its tiles
+/// to its region of `staging` and reads them back as whole rows, so that each atomic adds `N`
+/// adjacent columns and each plane-wide one covers whole rows (`float4` atomics where the
+/// runtime has them: 2 rows of 64 columns per instruction).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn add_tile<E: Float, N: Size>(
+fn add_rows<E: Float, N: Size>(
     regs: &Array<f32>,
-    #[comptime] first: usize,
+    staging: &mut SharedMemory<f32>,
     accum: &mut Tensor<Atomic<Vector<f32, N>>>,
     accum_base: usize,
     row0: usize,
-    #[comptime] col0: usize,
     staged_len: usize,
     #[comptime] cfg: TileConfig,
 ) {
-    let width = accum.vector_size();
-    let (row, col) = acc_position::<E>(0usize);
-    // Element offset of (row, column 0 of the tile); every atomic's column is a multiple of N.
-    let base = accum_base + col0;
-    if comptime!(width == 4) {
-        let odd = UNIT_POS_X % 2u32 == 1u32;
-        let sent_0 = plane_shuffle_xor(select(odd, regs[first], regs[first + 2]), 1u32);
-        let sent_1 = plane_shuffle_xor(select(odd, regs[first + 1], regs[first + 3]), 1u32);
-        let mut sum = Vector::<f32, N>::empty();
-        sum[0] = select(odd, sent_0, regs[first]);
-        sum[1] = select(odd, sent_1, regs[first + 1]);
-        sum[2] = select(odd, regs[first + 2], sent_0);
-        sum[3] = select(odd, regs[first + 3], sent_1);
-        let row = row0 + row + select(odd, 8usize, 0usize);
-        if row < staged_len {
-            let column = col - select(odd, 2usize, 0usize);
-            accum[(base + row * cfg.head_dim + column) / width].fetch_add(sum);
-        }
-    } else if comptime!(width == 2) {
+    let rows = comptime!(cfg.dq_plane_rows());
+    let cols = comptime!(cfg.dq_chunk_cols());
+    let stride = comptime!(cols + 8);
+    let out_tiles = comptime!(cols / MMA_N);
+    let len = comptime!(cfg.dq_stage_elems());
+    // Indices in vectors, each a lane term plus a constant, so that the constants fold into
+    // the instructions' offsets.
+    let region = UNIT_POS_Y as usize * comptime!(rows * stride);
+    {
+        let (lane_row, lane_col) = acc_position::<E>(0usize);
+        let lane_pair = (region + lane_row * stride + lane_col) / 2;
+        let mut pairs = staging
+            .slice_mut(0, len)
+            .into_vectorized()
+            .with_vector_size::<Const<2>>();
         #[unroll]
-        for half in 0..2usize {
-            let row = row0 + row + comptime!(half * 8);
-            if row < staged_len {
-                let mut pair = Vector::<f32, N>::empty();
-                pair[0] = regs[comptime!(first + half * 2)];
-                pair[1] = regs[comptime!(first + half * 2 + 1)];
-                accum[(base + row * cfg.head_dim + col) / width].fetch_add(pair);
+        for m in 0..rows / MMA_M {
+            #[unroll]
+            for tile in 0..out_tiles {
+                #[unroll]
+                for half in 0..2usize {
+                    let reg = comptime!((m * out_tiles + tile) * 4 + half * 2);
+                    pairs[lane_pair
+                        + comptime!(((m * MMA_M + half * 8) * stride + tile * MMA_N) / 2)] =
+                        pair::<f32>(regs[reg], regs[comptime!(reg + 1)]);
+                }
             }
         }
-    } else {
-        #[unroll]
-        for half in 0..2usize {
-            let row = row0 + row + comptime!(half * 8);
-            if row < staged_len {
+    }
+    sync_plane();
+    // Lane l reads 4 columns of row l / (cols / 4) per pass; the plane covers 32 · 4 / cols rows
+    // per pass.
+    let quads_per_row = comptime!(cols / 4);
+    let rows_per_pass = comptime!(32 / quads_per_row);
+    let lane = UNIT_POS_X as usize;
+    let pass_row = lane / quads_per_row;
+    let col = lane % quads_per_row * 4;
+    let width = accum.vector_size();
+    let quads = staging
+        .slice(0, len)
+        .into_vectorized()
+        .with_vector_size::<Const<4>>();
+    let lane_quad = (region + pass_row * stride + col) / 4;
+    let lane_first = (accum_base + (row0 + pass_row) * cfg.head_dim + col) / width;
+    #[unroll]
+    for pass in 0..rows / rows_per_pass {
+        let quad = quads[lane_quad + comptime!(pass * rows_per_pass * stride / 4)];
+        if row0 + pass_row + comptime!(pass * rows_per_pass) < staged_len {
+            let first = lane_first + comptime!(pass * rows_per_pass * cfg.head_dim / width);
+            #[unroll]
+            for i in 0..comptime!(4 / width) {
+                let mut sum = Vector::<f32, N>::empty();
                 #[unroll]
-                for i in 0..2usize {
-                    let at = base + row * cfg.head_dim + col + i;
-                    accum[at].fetch_add(Vector::new(regs[comptime!(first + half * 2 + i)]));
+                for j in 0..comptime!(width) {
+                    sum[j] = quad[comptime!(i * width + j)];
                 }
+                accum[first + i].fetch_add(sum);
             }
         }
     }
@@ -686,6 +698,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         grads: &Array<f32>,
         owned: &MmaQuery<E>,
         scratch: &mut SharedMemory<E>,
+        staging: &mut SharedMemory<f32>,
         accum: &mut Tensor<Atomic<Vector<f32, N>>>,
         accum_base: usize,
         staged_start: usize,
@@ -701,6 +714,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         transposed_product::<E, N>(
             scratch,
             &owned.stage,
+            staging,
             accum,
             accum_base,
             staged_start,

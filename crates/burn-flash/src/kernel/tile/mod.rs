@@ -84,15 +84,17 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// row `staged_start + r` of `accum` from element `accum_base`; rows at or past `staged_len`
     /// are skipped. With split planes (`cfg.split > 1`) `scratch` already holds all of `G`, as
     /// [`accumulate_shared`](Self::accumulate_shared) left it, and `grads` is not read.
-    /// `accum` is read as vectors of `N` f32 (the tensor-core tile adds 2 or 4 adjacent columns
-    /// per atomic where the runtime adds `float2` or `float4`, else 1; the portable tile 1).
+    /// `accum` is read as vectors of `N` f32 (the tensor-core tile adds 4 adjacent columns per
+    /// atomic where the runtime adds `float4`, else 1; the portable tile 1).
     /// `scratch` holds `cfg.block_q · cfg.block_kv` elements; the caller synchronises the cube
-    /// before `scratch` is written again.
+    /// before `scratch` is written again. `staging` (`cfg.dq_stage_elems()` f32) is the tile's
+    /// own: the tensor-core tile turns its accumulators into whole rows there.
     #[allow(clippy::too_many_arguments)]
     fn add_transposed_product<N: Size>(
         grads: &Array<f32>,
         owned: &Self::Query,
         scratch: &mut SharedMemory<E>,
+        staging: &mut SharedMemory<f32>,
         accum: &mut Tensor<Atomic<Vector<f32, N>>>,
         accum_base: usize,
         staged_start: usize,

@@ -106,6 +106,7 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         grads: &Array<f32>,
         owned: &Array<f32>,
         _scratch: &mut SharedMemory<E>,
+        _staging: &mut SharedMemory<f32>,
         accum: &mut Tensor<Atomic<Vector<f32, N>>>,
         accum_base: usize,
         staged_start: usize,
