@@ -257,10 +257,11 @@ impl TileConfig {
     }
 
     /// Scratch elements of the dK/dV launch: the transpose of dS for the atomic dQ, or the
-    /// exchanged `P` and `dS` blocks of a split.
+    /// exchanged `P` and `dS` blocks of a split ([`exchange_slots`](Self::exchange_slots) of
+    /// `block_q × block_kv`).
     pub fn scratch_elems(&self) -> usize {
         if (self.atomic_dq || self.split > 1) && self.tile == TilePath::TensorCore {
-            self.block_q * self.block_kv
+            self.exchange_slots() * self.block_q * self.block_kv
         } else {
             1
         }
@@ -289,6 +290,18 @@ impl TileConfig {
     pub fn dq_stage_elems(&self) -> usize {
         if self.atomic_dq && self.tile == TilePath::TensorCore {
             self.planes * self.dq_plane_rows() * (self.dq_chunk_cols() + 8)
+        } else {
+            1
+        }
+    }
+
+    /// Blocks a split's exchange holds at once: two (`P`, then `dS` below it) in the atomic
+    /// single pass, whose one cube per SM has the shared memory, so that one barrier publishes
+    /// both; one elsewhere (the deterministic launch would lose its second cube per SM), where
+    /// `dS` waits for every plane to be done reading `P`.
+    pub fn exchange_slots(&self) -> usize {
+        if self.atomic_dq && self.split > 1 {
+            2
         } else {
             1
         }

@@ -605,23 +605,18 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
 
     let key_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
     if comptime!(cfg.split > 1) {
-        // Split planes (owning keys): P, then dS, go through `scratch` to the planes of the
-        // group; between the two every plane must be done reading P.
-        T::accumulate_shared(
+        // Split planes (owning keys): P and dS go through `scratch` to the planes of the group.
+        T::accumulate_split(
             &probs,
+            &grads,
             scratch,
             second_stages,
             second_base,
             grad_second,
-            cfg,
-        );
-        sync_cube();
-        T::accumulate_shared(
-            &grads,
-            scratch,
             first_stages,
             first_base,
             grad_first,
+            cfg,
             key_cfg,
         );
     } else {

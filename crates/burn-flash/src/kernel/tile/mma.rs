@@ -62,14 +62,16 @@ fn store_acc(acc: &Array<Pair<f32>>, regs: &mut Array<f32>, #[comptime] tile: us
 
 /// Write `factor` times this plane's accumulator-shaped registers `regs` (its `cols` columns per
 /// m16 block) to `tile`, a block of rows `width` apart swizzled like the stages, at the positions
-/// they stand for. A lane's pairs of n-tile `n` sit at its accumulator row (+ 8, + 16·m) in chunk
-/// `n` of its plane's part: the swizzle key is the lane's, so each n-tile's address is one
-/// register and the rows are immediates (`swizzled_offset`).
+/// they stand for, from row `first_row` (a multiple of 8). A lane's pairs of n-tile `n` sit at
+/// its accumulator row (+ 8, + 16·m) in chunk `n` of its plane's part: the swizzle key is the
+/// lane's, so each n-tile's address is one register and the rows are immediates
+/// (`swizzled_offset`).
 #[cube]
 fn write_tile<E: Float>(
     regs: &Array<f32>,
     factor: f32,
     tile: &mut SharedMemory<E>,
+    #[comptime] first_row: usize,
     #[comptime] cols: usize,
     #[comptime] width: usize,
     #[comptime] cfg: TileConfig,
@@ -88,7 +90,7 @@ fn write_tile<E: Float>(
                     lane_col,
                     group_row(cfg) + lane_row,
                     part_chunk,
-                    comptime!(m * MMA_M + half * 8),
+                    comptime!(first_row + m * MMA_M + half * 8),
                     n,
                     width,
                 );
@@ -99,12 +101,32 @@ fn write_tile<E: Float>(
     }
 }
 
-/// Write this plane's score-shaped registers `regs` to `tile` as [owned row][staged column]
-/// (`cfg.block_kv` wide), where the rows of a group are the A operand of `accumulate_shared`'s
-/// product and, read transposed, of the atomic dQ's.
+/// Write this plane's score-shaped registers `regs` to exchange slot `slot` of `tile` as
+/// [owned row][staged column] (`cfg.block_kv` wide; slot `s` is rows `s · cfg.block_q` on),
+/// where the rows of a group are the A operand of `exchange_product` and, read transposed, of
+/// the atomic dQ's.
 #[cube]
-fn publish<E: Float>(regs: &Array<f32>, tile: &mut SharedMemory<E>, #[comptime] cfg: TileConfig) {
-    write_tile::<E>(regs, 1.0, tile, cfg.score_cols(), cfg.block_kv, cfg);
+fn publish<E: Float>(
+    regs: &Array<f32>,
+    tile: &mut SharedMemory<E>,
+    #[comptime] slot: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    write_tile::<E>(
+        regs,
+        1.0,
+        tile,
+        comptime!(slot * cfg.block_q),
+        cfg.score_cols(),
+        cfg.block_kv,
+        cfg,
+    );
+}
+
+/// The exchange slot `dS` goes to: the second where there are two, else the first once `P` is
+/// done with.
+fn grads_slot(cfg: &TileConfig) -> usize {
+    cfg.exchange_slots() - 1
 }
 
 /// Registers `first..first + count` of `regs` as a new operand array.
@@ -147,11 +169,12 @@ pub struct MmaQuery<E: Float> {
 }
 
 /// `ldmatrix.x4` of the A fragment of m16 block `m`, 16-deep step `step` of this plane's rows
-/// of a swizzled tile `width` wide: lanes 0–15 address rows 0–15 at the step's first 8 columns,
-/// lanes 16–31 the next 8.
+/// of a swizzled tile `width` wide whose rows start at row `first_row` (a multiple of 8): lanes
+/// 0–15 address rows 0–15 at the step's first 8 columns, lanes 16–31 the next 8.
 #[cube]
 fn row_fragment<E: Float>(
     stage: &SharedMemory<E>,
+    #[comptime] first_row: usize,
     #[comptime] m: usize,
     #[comptime] step: usize,
     #[comptime] width: usize,
@@ -163,7 +186,7 @@ fn row_fragment<E: Float>(
         0usize,
         lane_row,
         lane / 16usize,
-        comptime!(m * MMA_M),
+        comptime!(first_row + m * MMA_M),
         comptime!(step * MMA_K / CHUNK),
         width,
     );
@@ -184,7 +207,14 @@ fn query_operand<E: Float>(
     #[comptime] cfg: TileConfig,
 ) -> Array<Pair<E>> {
     if comptime!(cfg.query_in_smem) {
-        row_fragment::<E>(&query.stage, m, step, comptime!(cfg.head_stride()), cfg)
+        row_fragment::<E>(
+            &query.stage,
+            0usize,
+            m,
+            step,
+            comptime!(cfg.head_stride()),
+            cfg,
+        )
     } else {
         let steps = comptime!(cfg.head_dim / MMA_K);
         operand::<E>(&query.regs, comptime!((m * steps + step) * 4), 4usize)
@@ -266,15 +296,17 @@ fn rows_product<E: Float>(
     }
 }
 
-/// `accum += Gᵀ · owned` for this plane's staged rows and columns: `scratch` holds `G` (owned ×
-/// staged, swizzled, `cfg.block_kv` wide), `owned` the owned rows (`cfg.head_dim` wide). Each
-/// group of split planes takes `cfg.dq_plane_rows()` staged rows, each of its planes its part of
-/// the head dim (all of it without a split), `cfg.dq_chunk_cols()` columns at a time; each
-/// chunk goes through the plane's region of `staging` to [`add_rows`].
+/// `accum += Gᵀ · owned` for this plane's staged rows and columns: exchange slot `slot` of
+/// `scratch` holds `G` (owned × staged, swizzled, `cfg.block_kv` wide), `owned` the owned rows
+/// (`cfg.head_dim` wide). Each group of split planes takes `cfg.dq_plane_rows()` staged rows,
+/// each of its planes its part of the head dim (all of it without a split),
+/// `cfg.dq_chunk_cols()` columns at a time; each chunk goes through the plane's region of
+/// `staging` to [`add_rows`].
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn transposed_product<E: Float, N: Size>(
     scratch: &SharedMemory<E>,
+    #[comptime] slot: usize,
     owned: &SharedMemory<E>,
     staging: &mut SharedMemory<f32>,
     accum: &mut Tensor<Atomic<Vector<f32, N>>>,
@@ -314,7 +346,7 @@ fn transposed_product<E: Float, N: Size>(
                     0usize,
                     g_row,
                     (plane_first + comptime!(m * MMA_M)) / CHUNK + g_chunk,
-                    comptime!(step * MMA_K),
+                    comptime!(slot * cfg.block_q + step * MMA_K),
                     0usize,
                     cfg.block_kv,
                 );
@@ -437,6 +469,54 @@ fn add_rows<E: Float, N: Size>(
     }
 }
 
+/// `out += Xᵀ·values` for this plane's part of the accumulator columns over the whole staged
+/// block, `X` being the group's block published to exchange slot `slot` (the A operand rows are
+/// the group's owned rows) and `values` the staged block at `stage_base`.
+#[cube]
+fn exchange_product<E: Float>(
+    exchange: &SharedMemory<E>,
+    #[comptime] slot: usize,
+    values: &SharedMemory<E>,
+    stage_base: usize,
+    out: &mut Array<f32>,
+    #[comptime] cfg: TileConfig,
+) {
+    let m_tiles = comptime!(cfg.m_tiles());
+    // This plane's part of the columns: whole swizzle groups (`with_split`), so the part's
+    // offset is added to the base without touching the swizzle.
+    let values_base = stage_base + plane_part(cfg) * comptime!(cfg.out_cols());
+    #[unroll]
+    for step in 0..cfg.block_kv / MMA_K {
+        let mut p = Array::<Pair<E>>::new(m_tiles * 4);
+        #[unroll]
+        for m in 0..m_tiles {
+            let fragment = row_fragment::<E>(
+                exchange,
+                comptime!(slot * cfg.block_q),
+                m,
+                step,
+                cfg.block_kv,
+                cfg,
+            );
+            #[unroll]
+            for i in 0..4usize {
+                p[comptime!(m * 4 + i)] = fragment[i];
+            }
+        }
+        rows_product::<E>(
+            &p,
+            values,
+            values_base,
+            out,
+            comptime!(step * MMA_K),
+            0usize,
+            cfg.out_cols(),
+            comptime!(cfg.value_stride()),
+            m_tiles,
+        );
+    }
+}
+
 /// Shared memory for one owned block (`cfg.block_q` rows, swizzled like the stages).
 #[cube]
 fn query_stage<E: Float>(#[comptime] cfg: TileConfig) -> SharedMemory<E> {
@@ -483,7 +563,7 @@ fn query_fragments<E: Float>(stage: SharedMemory<E>, #[comptime] cfg: TileConfig
             #[unroll]
             for step in 0..steps {
                 let fragment =
-                    row_fragment::<E>(&stage, m, step, comptime!(cfg.head_stride()), cfg);
+                    row_fragment::<E>(&stage, 0usize, m, step, comptime!(cfg.head_stride()), cfg);
                 #[unroll]
                 for i in 0..4usize {
                     regs[comptime!((m * steps + step) * 4 + i)] = fragment[i];
@@ -655,43 +735,33 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         }
     }
 
-    fn accumulate_shared(
+    fn accumulate_split(
         probs: &Array<f32>,
+        grads: &Array<f32>,
         exchange: &mut SharedMemory<E>,
-        values: &SharedMemory<E>,
-        stage_base: usize,
-        out: &mut Array<f32>,
+        second: &SharedMemory<E>,
+        second_base: usize,
+        second_out: &mut Array<f32>,
+        first: &SharedMemory<E>,
+        first_base: usize,
+        first_out: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
+        #[comptime] key_cfg: TileConfig,
     ) {
-        publish::<E>(probs, exchange, cfg);
-        sync_cube();
-        let m_tiles = comptime!(cfg.m_tiles());
-        // This plane's part of the columns: whole swizzle groups (`with_split`), so the part's
-        // offset is added to the base without touching the swizzle.
-        let values_base = stage_base + plane_part(cfg) * comptime!(cfg.out_cols());
-        #[unroll]
-        for step in 0..cfg.block_kv / MMA_K {
-            let mut p = Array::<Pair<E>>::new(m_tiles * 4);
-            #[unroll]
-            for m in 0..m_tiles {
-                let fragment = row_fragment::<E>(exchange, m, step, cfg.block_kv, cfg);
-                #[unroll]
-                for i in 0..4usize {
-                    p[comptime!(m * 4 + i)] = fragment[i];
-                }
-            }
-            rows_product::<E>(
-                &p,
-                values,
-                values_base,
-                out,
-                comptime!(step * MMA_K),
-                0usize,
-                cfg.out_cols(),
-                comptime!(cfg.value_stride()),
-                m_tiles,
-            );
+        let grads_slot = comptime!(grads_slot(&cfg));
+        publish::<E>(probs, exchange, 0usize, cfg);
+        if comptime!(grads_slot > 0) {
+            publish::<E>(grads, exchange, grads_slot, cfg);
         }
+        sync_cube();
+        exchange_product::<E>(exchange, 0usize, second, second_base, second_out, cfg);
+        if comptime!(grads_slot == 0) {
+            // One slot: every plane must be done reading P before dS replaces it.
+            sync_cube();
+            publish::<E>(grads, exchange, 0usize, cfg);
+            sync_cube();
+        }
+        exchange_product::<E>(exchange, grads_slot, first, first_base, first_out, key_cfg);
     }
 
     fn add_transposed_product<N: Size>(
@@ -706,13 +776,14 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         #[comptime] cfg: TileConfig,
     ) {
         // Each plane reads the A operand of Gᵀ for its own staged rows over all owned rows from
-        // the published G; split planes have published it already (`accumulate_shared`).
+        // the published G; split planes have published it already (`accumulate_split`).
         if comptime!(cfg.split == 1) {
-            publish::<E>(grads, scratch, cfg);
+            publish::<E>(grads, scratch, 0usize, cfg);
             sync_cube();
         }
         transposed_product::<E, N>(
             scratch,
+            comptime!(if cfg.split > 1 { grads_slot(&cfg) } else { 0 }),
             &owned.stage,
             staging,
             accum,
@@ -736,7 +807,15 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         let stride = comptime!(cfg.value_stride());
         // Every plane is done reading the owned block (the last staged block's products).
         sync_cube();
-        write_tile::<E>(regs, factor, &mut owned.stage, cfg.out_cols(), stride, cfg);
+        write_tile::<E>(
+            regs,
+            factor,
+            &mut owned.stage,
+            0usize,
+            cfg.out_cols(),
+            stride,
+            cfg,
+        );
         sync_cube();
         // The units walk the block's 16-byte chunks in row order: a plane writes whole rows.
         let chunks_per_row = comptime!(cfg.value_dim / CHUNK);

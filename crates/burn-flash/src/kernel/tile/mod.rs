@@ -63,18 +63,26 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         #[comptime] cfg: TileConfig,
     );
 
-    /// [`accumulate`](Self::accumulate) for planes that split their group's staged block
-    /// (`cfg.split > 1`, tensor-core dK/dV launch): each plane's part of `probs` is written to
-    /// `exchange` (`cfg.block_q · cfg.block_kv` elements), the cube is synchronised, and each
-    /// plane adds its part of the accumulator columns over the whole block. The caller
-    /// synchronises the cube before `exchange` is written again.
-    fn accumulate_shared(
+    /// Both backward products of planes that split their group's staged block (`cfg.split > 1`,
+    /// tensor-core dK/dV launch): `second_out += Pᵀ·second` and `first_out += Gᵀ·first` over
+    /// the whole block, `probs` and `grads` being this unit's score registers of `P` and `G`
+    /// (its part of the block's columns). Each plane's parts go through `exchange`
+    /// ([`TileConfig::exchange_slots`] blocks of `cfg.block_q · cfg.block_kv`), and each plane
+    /// adds its part of the accumulator columns (`cfg` for `second`, `key_cfg` for `first`). The
+    /// caller synchronises the cube before `exchange` is written again.
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate_split(
         probs: &Array<f32>,
+        grads: &Array<f32>,
         exchange: &mut SharedMemory<E>,
-        values: &SharedMemory<E>,
-        stage_base: usize,
-        out: &mut Array<f32>,
+        second: &SharedMemory<E>,
+        second_base: usize,
+        second_out: &mut Array<f32>,
+        first: &SharedMemory<E>,
+        first_base: usize,
+        first_out: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
+        #[comptime] key_cfg: TileConfig,
     );
 
     /// Add `Gᵀ · owned` to the staged rows' gradient in `accum` with f32 atomic adds (dQ from a
@@ -83,10 +91,10 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// [`load_query`](Self::load_query) gave them (`cfg.head_dim` wide). Staged row `r` adds into
     /// row `staged_start + r` of `accum` from element `accum_base`; rows at or past `staged_len`
     /// are skipped. With split planes (`cfg.split > 1`) `scratch` already holds all of `G`, as
-    /// [`accumulate_shared`](Self::accumulate_shared) left it, and `grads` is not read.
+    /// [`accumulate_split`](Self::accumulate_split) left it, and `grads` is not read.
     /// `accum` is read as vectors of `N` f32 (the tensor-core tile adds 4 adjacent columns per
     /// atomic where the runtime adds `float4`, else 1; the portable tile 1).
-    /// `scratch` holds `cfg.block_q · cfg.block_kv` elements; the caller synchronises the cube
+    /// `scratch` holds `cfg.scratch_elems()` elements; the caller synchronises the cube
     /// before `scratch` is written again. `staging` (`cfg.dq_stage_elems()` f32) is the tile's
     /// own: the tensor-core tile turns its accumulators into whole rows there.
     #[allow(clippy::too_many_arguments)]

@@ -90,16 +90,22 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         }
     }
 
-    fn accumulate_shared(
+    fn accumulate_split(
         probs: &Array<f32>,
+        grads: &Array<f32>,
         _exchange: &mut SharedMemory<E>,
-        values: &SharedMemory<E>,
-        stage_base: usize,
-        out: &mut Array<f32>,
+        second: &SharedMemory<E>,
+        second_base: usize,
+        second_out: &mut Array<f32>,
+        first: &SharedMemory<E>,
+        first_base: usize,
+        first_out: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
+        #[comptime] key_cfg: TileConfig,
     ) {
         // A portable unit owns whole rows: nothing to exchange (its configs never split).
-        Self::accumulate(probs, values, stage_base, out, cfg);
+        Self::accumulate(probs, second, second_base, second_out, cfg);
+        Self::accumulate(grads, first, first_base, first_out, key_cfg);
     }
 
     fn add_transposed_product<N: Size>(
