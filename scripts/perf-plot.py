@@ -5,16 +5,17 @@ with no plotting library.
     scripts/perf-plot.py docs/perf/h100.csv docs/perf/h100.svg
 
 Panels: forward and forward+backward (rows) by head dim and causality (columns); a line per
-implementation (burn-flash, PyTorch's FlashAttention-2 and cuDNN backends). Rows with other
-head counts (GQA) or implementations measured at a few shapes only are left out.
+implementation (burn-flash, its `--atomic-dq` rows, PyTorch's FlashAttention-2 and cuDNN
+backends). Rows with other head counts (GQA) or implementations measured at a few shapes only
+are left out.
 """
 import csv
 import math
 import sys
 from collections import defaultdict
 
-IMPLS = {"burn-flash": ("#d62728", ""), "torch-flash": ("#1f77b4", "7 4"),
-         "torch-cudnn": ("#2ca02c", "2 3")}
+IMPLS = {"burn-flash": ("#d62728", ""), "burn-flash-atomicdq": ("#ff7f0e", "4 2"),
+         "torch-flash": ("#1f77b4", "7 4"), "torch-cudnn": ("#2ca02c", "2 3")}
 PW, PH, ML, MT, MB, GAP = 250, 190, 48, 40, 40, 26
 
 

@@ -10,6 +10,9 @@ import csv
 import sys
 from collections import defaultdict
 
+# `--atomic-dq` rows (`with_deterministic(false)`), compared with FlashAttention-2 where present.
+ATOMIC = "burn-flash-atomicdq"
+
 
 def load(path, mode):
     rows = defaultdict(dict)
@@ -32,6 +35,8 @@ def table(path, mode, peers):
     rows = load(path, mode)
     impls = sorted({i for v in rows.values() for i in v}, key=lambda i: (i != "burn-flash", i))
     head = ["d", "causal", "n"] + impls + [f"flash / {p}" for p in peers if p in impls]
+    if ATOMIC in impls:
+        head.append("atomic dQ / torch-flash")
     name = {"fwd": "forward", "fwdbwd": "forward+backward"}.get(mode, mode)
     print(f"From `{path}` (TFLOPS, {name}):\n")
     print("| " + " | ".join(head) + " |")
@@ -43,6 +48,9 @@ def table(path, mode, peers):
             if p in impls:
                 ok = "burn-flash" in v and p in v and v[p] > 0
                 cells.append(f"{v['burn-flash'] / v[p]:.2f}×" if ok else "–")
+        if ATOMIC in impls:
+            ok = ATOMIC in v and "torch-flash" in v
+            cells.append(f"{v[ATOMIC] / v['torch-flash']:.2f}×" if ok else "–")
         print("| " + " | ".join(cells) + " |")
     print()
 
