@@ -252,8 +252,11 @@ impl TileConfig {
                 && self.planes.is_multiple_of(split)
                 && self.block_kv.is_multiple_of(64)
                 && (self.block_kv / split).is_multiple_of(MMA_K)
-                && self.head_dim.is_multiple_of(64 * split)
-                && self.value_dim.is_multiple_of(64 * split))
+                && [self.head_dim, self.value_dim].iter().all(|&dim| {
+                    // Each part whole swizzle groups, or half of one (`tile::mma::part_start`).
+                    dim.is_multiple_of(split)
+                        && ((dim / split).is_multiple_of(64) || dim / split == 32)
+                }))
     }
 
     /// Scratch elements of the dK/dV launch: the transpose of dS for the atomic dQ, or the
@@ -722,7 +725,9 @@ mod tests {
         assert_eq!(split.key_reg(16 + 7, false), 5);
         assert_eq!(split.key_reg(16 + 7, true), 16 + 2);
         // A part must be whole 64-element swizzle groups, on the tensor cores only.
-        assert!(!TileConfig::tensor_core(64, 64, 4, 32, 64).can_split(2));
+        // Half a swizzle group per part (d 64) is allowed, 48 columns are not.
+        assert!(TileConfig::tensor_core(64, 64, 4, 32, 64).can_split(2));
+        assert!(!TileConfig::tensor_core(96, 96, 4, 32, 64).can_split(2));
         assert!(!TileConfig::tensor_core(128, 128, 4, 32, 32).can_split(2));
         assert!(!TileConfig::tensor_core(128, 128, 3, 32, 64).can_split(2));
         assert!(!TileConfig::portable(128, 128).can_split(2));

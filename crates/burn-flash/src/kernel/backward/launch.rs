@@ -46,7 +46,10 @@ pub fn backward_support<R: CubeRuntime>(
 /// queries, each plane computing the scores of 32 staged queries and holding half of the head
 /// dim of dK and dV ([`TileConfig::split`]), so that every staged fragment feeds two products;
 /// with atomics four pairs (128 keys per cube, half the atomics per product of a 64-key cube),
-/// else two. Other head dims: 4 planes of 16 owned keys (one m16 block) against 64-row stages.
+/// else two. Head dim 64 with atomics: the same four pairs, each plane holding half of the head
+/// dim (32 columns, half a swizzle group). Other head dims, and head dim 64 without atomics
+/// (where pairs measured no faster): 4 planes of 16 owned keys (one m16 block) against 64-row
+/// stages.
 /// `BURN_FLASH_BWD_SPLIT=1|2` and `BURN_FLASH_BWD_SHAPE=planes,rows,kv` override them for
 /// tuning runs. Portable: 32 owned rows against 16-row stages, as the forward.
 fn key_value_config(tile: TilePath, head_dim: usize, value_dim: usize, atomic: bool) -> TileConfig {
@@ -65,7 +68,12 @@ fn key_value_config(tile: TilePath, head_dim: usize, value_dim: usize, atomic: b
         }
         split
     });
-    let default_split = if head_dim.max(value_dim) == 128 { 2 } else { 1 };
+    let paired_64 = atomic && head_dim == 64 && value_dim == 64;
+    let default_split = if head_dim.max(value_dim) == 128 || paired_64 {
+        2
+    } else {
+        1
+    };
     let split = split_override.unwrap_or(default_split);
     let paired_shape = if atomic { (8, 32, 64) } else { (4, 32, 64) };
     let paired = tile_config(tile, head_dim, value_dim, shape.unwrap_or(paired_shape));
@@ -131,18 +139,24 @@ fn atomic_dq_usable<R: CubeRuntime>(
 
 /// Whether the atomic dQ is the faster of the two ways for these shapes, as measured on the H100
 /// (`docs/backward.md`): on the tensor-core tile from head dim 128 over at least 1024 keys, 2048
-/// when causal (4–15 % faster there). Shorter, causal-short and head-dim-64 backwards are faster
-/// with dQ's own launch, and the portable tile's per-unit atomics always are.
+/// when causal (4–15 % faster there), and at head dim 64 over at least 4096 keys (3–5 %; 1–6 %
+/// slower at 1024). Shorter and causal-short backwards and other head dims are faster with dQ's
+/// own launch, and the portable tile's per-unit atomics always are.
 /// [`force_atomic_dq`](crate::testing::force_atomic_dq) overrides this for tests, and
 /// `BURN_FLASH_DQ_ATOMIC=0|1` for tuning runs.
 fn atomic_dq_faster(cfg: &TileConfig, seq_k: usize) -> bool {
     static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
     let forced = OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_DQ_ATOMIC"));
-    let min_keys = if cfg.mask.right { 2048 } else { 1024 };
+    let d64 = cfg.head_dim == 64 && cfg.value_dim == 64;
+    let min_keys = match (d64, cfg.mask.right) {
+        (true, _) => 4096,
+        (false, true) => 2048,
+        (false, false) => 1024,
+    };
     crate::testing::atomic_dq_forced()
         || forced.unwrap_or(
             cfg.tile == TilePath::TensorCore
-                && cfg.head_dim.max(cfg.value_dim) >= 128
+                && (d64 || cfg.head_dim.max(cfg.value_dim) >= 128)
                 && seq_k >= min_keys,
         )
 }
@@ -421,7 +435,20 @@ mod tests {
         assert!(atomic_dq_faster(&tc(128, true), 2048));
         assert!(!atomic_dq_faster(&tc(128, true), 1024));
         assert!(atomic_dq_faster(&tc(256, false), 4096));
-        assert!(!atomic_dq_faster(&tc(64, false), 16384));
+        assert!(atomic_dq_faster(&tc(64, false), 4096));
+        assert!(atomic_dq_faster(&tc(64, true), 16384));
+        assert!(!atomic_dq_faster(&tc(64, false), 4095));
+        assert!(!atomic_dq_faster(&tc(32, false), 16384));
+        assert!(!atomic_dq_faster(&tc(96, false), 16384));
+        // Head dim 64 takes the atomic dQ in split pairs of 128 keys, without it unsplit.
+        assert_eq!(
+            key_value_config(TilePath::TensorCore, 64, 64, true).split,
+            2
+        );
+        assert_eq!(
+            key_value_config(TilePath::TensorCore, 64, 64, false).split,
+            1
+        );
         let portable = key_value_config(TilePath::Portable, 128, 128, true);
         assert!(!atomic_dq_faster(&portable, 16384));
         let _forced = crate::testing::force_atomic_dq();

@@ -158,6 +158,16 @@ fn plane_part(#[comptime] cfg: TileConfig) -> usize {
     UNIT_POS_Y as usize % cfg.split
 }
 
+/// Where this plane's part of a split's columns starts, `cols` columns a part: an element offset
+/// of whole swizzle groups, added to a base, and a chunk within a group, joined to the lanes'
+/// chunks (`with_split` allows parts of 32 columns, half a group, which start at chunk 0 or 4,
+/// or whole groups).
+#[cube]
+fn part_start(#[comptime] cols: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {
+    let chunk = plane_part(cfg) * comptime!(cols / CHUNK);
+    (chunk / 8 * comptime!(8 * CHUNK), chunk % 8)
+}
+
 /// The query block of a cube, staged in shared memory (swizzled like the K/V stages), and the
 /// plane's A fragments when they live in registers: 4 registers per (m16 block, 16-deep step),
 /// indexed `(m · steps + step) · 4`. With `cfg.query_in_smem` the register array is a 1-element
@@ -244,13 +254,15 @@ fn acc_block_position<E: Float>(
 /// (4 registers each), `R` is rows `row0..row0 + 16` of the row-major, swizzled block at `base`
 /// in `rows` (rows `width` apart), columns `col0..col0 + cols`; `acc` holds `cols / 8` n-tiles per
 /// m16 block. `ldmatrix.x4.trans` on R: matrices (rows +0, cols +0), (+8, +0), (+0, +8),
-/// (+8, +8) are the B operands of two n-tiles.
+/// (+8, +8) are the B operands of two n-tiles. `part_chunk` shifts the columns by that many
+/// chunks within a swizzle group (a split plane's part, [`part_start`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn rows_product<E: Float>(
     a: &Array<Pair<E>>,
     rows: &SharedMemory<E>,
     base: usize,
+    part_chunk: usize,
     acc_regs: &mut Array<f32>,
     #[comptime] row0: usize,
     #[comptime] col0: usize,
@@ -261,7 +273,7 @@ fn rows_product<E: Float>(
     let def = definition::<E>();
     let lane = UNIT_POS_X as usize;
     let lane_row = (lane / 8usize) % 2usize * 8usize + lane % 8usize;
-    let lane_chunk = lane / 16usize;
+    let lane_chunk = lane / 16usize + part_chunk;
     let out_tiles = comptime!(cols / MMA_N);
     #[unroll]
     for tiles in 0..cols / (2 * MMA_N) {
@@ -323,8 +335,8 @@ fn transposed_product<E: Float, N: Size>(
     let out_tiles = comptime!(chunk_cols / MMA_N);
     let lane = UNIT_POS_X as usize;
     let plane_first = UNIT_POS_Y as usize / cfg.split * plane_rows;
-    // The part's first column: whole swizzle groups (`with_split`), added to the bases.
     let part_col = plane_part(cfg) * part_cols;
+    let (part_base, part_chunk) = part_start(part_cols, cfg);
     // ldmatrix.x4.trans on G rows: lane l addresses owned row l / 16 · 8 + l % 8 at the 8 staged
     // columns (l / 8) % 2, giving the matrices (staged +0, owned +0), (+8, +0), (+0, +8),
     // (+8, +8): the A operand of one 16-deep step of Gᵀ.
@@ -364,7 +376,8 @@ fn transposed_product<E: Float, N: Size>(
             rows_product::<E>(
                 &a,
                 owned,
-                part_col,
+                part_base,
+                part_chunk,
                 &mut acc_regs,
                 comptime!(step * MMA_K),
                 comptime!(part * chunk_cols),
@@ -482,9 +495,8 @@ fn exchange_product<E: Float>(
     #[comptime] cfg: TileConfig,
 ) {
     let m_tiles = comptime!(cfg.m_tiles());
-    // This plane's part of the columns: whole swizzle groups (`with_split`), so the part's
-    // offset is added to the base without touching the swizzle.
-    let values_base = stage_base + plane_part(cfg) * comptime!(cfg.out_cols());
+    let (part_base, part_chunk) = part_start(cfg.out_cols(), cfg);
+    let values_base = stage_base + part_base;
     #[unroll]
     for step in 0..cfg.block_kv / MMA_K {
         let mut p = Array::<Pair<E>>::new(m_tiles * 4);
@@ -507,6 +519,7 @@ fn exchange_product<E: Float>(
             &p,
             values,
             values_base,
+            part_chunk,
             out,
             comptime!(step * MMA_K),
             0usize,
@@ -725,6 +738,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                 &p,
                 values,
                 stage_base,
+                0usize,
                 out,
                 comptime!(step * MMA_K),
                 0usize,
