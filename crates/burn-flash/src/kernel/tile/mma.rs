@@ -308,8 +308,8 @@ fn rows_product<E: Float>(
     }
 }
 
-/// `accum += Gᵀ · owned` for this plane's staged rows and columns: exchange slot `slot` of
-/// `scratch` holds `G` (owned × staged, swizzled, `cfg.block_kv` wide), `owned` the owned rows
+/// `accum += Gᵀ · owned` for this plane's staged rows and columns: exchange slot
+/// [`grads_slot`] of `scratch` holds `G` (owned × staged, swizzled, `cfg.block_kv` wide), `owned` the owned rows
 /// (`cfg.head_dim` wide). Each group of split planes takes `cfg.dq_plane_rows()` staged rows,
 /// each of its planes its part of the head dim (all of it without a split),
 /// `cfg.dq_chunk_cols()` columns at a time; each chunk goes through the plane's region of
@@ -318,7 +318,6 @@ fn rows_product<E: Float>(
 #[allow(clippy::too_many_arguments)]
 fn transposed_product<E: Float, N: Size>(
     scratch: &SharedMemory<E>,
-    #[comptime] slot: usize,
     owned: &SharedMemory<E>,
     staging: &mut SharedMemory<f32>,
     accum: &mut Tensor<Atomic<Vector<f32, N>>>,
@@ -328,6 +327,7 @@ fn transposed_product<E: Float, N: Size>(
     #[comptime] cfg: TileConfig,
 ) {
     let def = definition::<E>();
+    let slot = comptime!(grads_slot(&cfg));
     let plane_rows = comptime!(cfg.dq_plane_rows());
     let m_tiles = comptime!(plane_rows / MMA_M);
     let part_cols = comptime!(cfg.head_dim / cfg.split);
@@ -797,7 +797,6 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         }
         transposed_product::<E, N>(
             scratch,
-            comptime!(if cfg.split > 1 { grads_slot(&cfg) } else { 0 }),
             &owned.stage,
             staging,
             accum,
