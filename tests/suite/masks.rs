@@ -1213,6 +1213,18 @@ mod cuda {
                         grad: true,
                     }),
                 ),
+                // `-inf` in a staged bf16 bias at head dim 64, where the tensor cores add it
+                // with the factor in one part.
+                Case::new(
+                    Problem::square(2, 2, 136, 64),
+                    Spec::from(false),
+                    MaskInput::None,
+                    Some(BiasInput {
+                        dims: [2, 2, 136, 136],
+                        neg_inf: true,
+                        grad: false,
+                    }),
+                ),
             ],
             820,
         );

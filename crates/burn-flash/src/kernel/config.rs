@@ -102,12 +102,34 @@ pub struct Staged {
     /// overlaps that block's score product) instead of a block ahead: 16 KiB less per cube,
     /// which keeps two cubes per SM where two stages would leave one.
     pub bias_single: bool,
+    /// How a staged bias block reaches the scores ([`BiasAdd`]).
+    pub bias_add: BiasAdd,
+}
+
+/// How the tensor-core forward adds `bias / scale` from a staged bias block to the raw scores.
+#[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
+pub enum BiasAdd {
+    /// Each score register converts its bias element to f32 and adds it times `1 / scale`:
+    /// two instructions per score.
+    #[default]
+    Convert,
+    /// The tensor cores add it: a 16 × 16 block of the bias as the A operand times a B operand
+    /// holding `1 / scale` on a diagonal lands on the accumulators of one n-tile of the
+    /// scores, one MMA per n-tile and m16 block instead of two instructions per score. Only
+    /// where the input dtype holds `1 / scale` exactly (`docs/perf-notes.md`, twenty-fourth
+    /// session: a factor in two parts, two MMAs per n-tile, measured slower than converting).
+    Mma,
 }
 
 impl Staged {
     /// Stages of the staged bias.
     pub fn bias_stages(&self) -> usize {
         if self.bias_single { 1 } else { 2 }
+    }
+
+    /// Whether the tensor cores add the staged bias ([`BiasAdd::Mma`]).
+    pub fn bias_mma(&self) -> bool {
+        self.bias_add == BiasAdd::Mma
     }
 }
 

@@ -204,6 +204,7 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     stage: usize,
     kv_start: usize,
     coords: Coords,
+    bias_factor: &T::StagedFactor,
     scale: f32,
     stats: &mut RowStats,
     acc: &mut Array<f32>,
@@ -223,12 +224,20 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     if let ComptimeOption::Some(ready) = bias_ready {
         ready.arrive_and_wait();
     }
-    let bias_stage = stage % comptime!(cfg.staged.bias_stages());
+    #[comptime]
+    if let ComptimeOption::Some(stages) = bias_stages {
+        let bias_stage = stage % comptime!(cfg.staged.bias_stages());
+        T::add_staged(
+            &mut scores,
+            stages,
+            bias_stage * comptime!(cfg.block_q * cfg.block_kv),
+            bias_factor,
+            cfg,
+        );
+    }
     add_bias::<E, T>(
         &mut scores,
         bias,
-        bias_stages,
-        bias_stage * comptime!(cfg.block_q * cfg.block_kv),
         coords.views.bias,
         coords.band,
         coords.q_start,
@@ -313,6 +322,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     );
     let barriers = StageBarriers::new();
     let bias_ready = single_bias_barrier(cfg);
+    let bias_factor = &T::staged_factor(coords.inv_scale, cfg);
     sync_cube();
 
     // A packed mask's block flags are read an iteration before the one that fetches the block,
@@ -386,6 +396,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
                 stage,
                 block * cfg.block_kv,
                 coords,
+                bias_factor,
                 scale,
                 stats,
                 acc,
@@ -541,6 +552,7 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
             0,
             first_row,
             coords,
+            &T::staged_factor(coords.inv_scale, cfg),
             scale,
             stats,
             acc,

@@ -295,15 +295,13 @@ pub fn pair_of<E: Float, T: AttentionTile<E>>(
 }
 
 /// Add `bias / scale` to the raw scores of the block (`inv_scale = 1 / scale`), if a bias is
-/// given (read from its staged block at `staged_base` in `staged` if given), and ALiBi's
+/// given and read in place (a staged bias is [`AttentionTile::add_staged`]'s), and ALiBi's
 /// `−slope · |key − diagonal| / scale` (`alibi` = `slope / scale`) if `cfg.alibi`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn add_bias<E: Float, T: AttentionTile<E>>(
     scores: &mut Array<f32>,
     bias: &ComptimeOption<Tensor<E>>,
-    staged: &ComptimeOption<SharedMemory<E>>,
-    staged_base: usize,
     at: Broadcast,
     band: Band,
     q_start: usize,
@@ -329,10 +327,7 @@ pub fn add_bias<E: Float, T: AttentionTile<E>>(
             scores[reg] -= (alibi * f32::cast_from(step) + base).abs();
         }
     }
-    #[comptime]
-    if let ComptimeOption::Some(stages) = staged {
-        T::add_staged(scores, stages, staged_base, inv_scale, cfg);
-    } else {
+    if comptime!(cfg.staged.bias.is_none()) {
         #[comptime]
         if let ComptimeOption::Some(bias) = bias {
             #[unroll]

@@ -11,7 +11,7 @@ use cubecl::prelude::*;
 use cubecl::tensor_vector_size_parallel;
 
 use super::TilePath;
-use super::config::{ScoreParams, Staged, TileConfig};
+use super::config::{BiasAdd, ScoreParams, Staged, TileConfig};
 use super::forward::flash_forward;
 use super::grid::{batch_inner, cube_count};
 use super::pack::pack_mask;
@@ -200,6 +200,13 @@ pub fn forward<R: CubeRuntime>(
         .with_scores(&params)
         .with_bounded_max(params.softcap, matches!(q.dtype, DType::BF16 | DType::F32));
     let (cfg, inputs, hidden_blocks) = stage_inputs(&client, cfg, inputs, q.dtype);
+    let cfg = match cfg.staged.bias {
+        Some(_) => cfg.with_staged(Staged {
+            bias_add: bias_add(params.scale, q.dtype),
+            ..cfg.staged
+        }),
+        None => cfg,
+    };
     let cfg = cfg.with_batch_inner(batch_inner(&inputs, batch));
     let cube_dim = cube_dim(&cfg);
     let cube_count = cube_count(&cfg, seq_q, heads, batch);
@@ -370,6 +377,24 @@ fn staging<R: CubeRuntime>(
         None => cubes_per_sm(client, bytes(single)) > cubes_per_sm(client, bytes(staged)),
     };
     if prefer_single { single } else { staged }
+}
+
+/// How the tensor-core forward adds a staged bias ([`BiasAdd`]): bf16 by the tensor cores where
+/// bf16 holds `1 / scale` exactly (head dims 16, 64 and 256 at the default scale) and that
+/// factor exceeds 1.004 (so that the lowest finite bf16 times it overflows to the `-inf` it
+/// stands for); else converted per score. `BURN_FLASH_BIAS_MMA=0` converts always (tuning
+/// runs).
+fn bias_add(scale: f32, dtype: DType) -> BiasAdd {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    let factor = 1.0 / scale;
+    let exact = half::bf16::from_f32(factor).to_f32() == factor;
+    let overflows = (half::bf16::MIN.to_f32() * factor).is_infinite();
+    let forced_off = *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_BIAS_MMA")) == Some(false);
+    if dtype == DType::BF16 && exact && overflows && !forced_off {
+        BiasAdd::Mma
+    } else {
+        BiasAdd::Convert
+    }
 }
 
 /// Cubes of the tensor-core forward an SM holds with `bytes` of shared memory each: an SM has

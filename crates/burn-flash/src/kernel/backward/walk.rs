@@ -519,8 +519,6 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     add_bias::<E, T>(
         &mut probs,
         bias,
-        &ComptimeOption::new_None(),
-        0,
         views.bias,
         span.band,
         q_start,

@@ -35,6 +35,22 @@ fn acc_position<E: Float>(#[comptime] nth: usize) -> (usize, usize) {
     (row as usize, col as usize)
 }
 
+/// What the tensor-core tile multiplies a staged bias block by (`crate::kernel::config::BiasAdd`):
+/// the factor itself where it converts per score, and, where the tensor cores add the bias, the
+/// B operands that multiply a 16-column A operand by it into the accumulators of one of its two
+/// n-tiles: element (k, n) of operand `half` (registers `2 · half`, `2 · half + 1`) is the
+/// factor where `k = n + 8 · half`, else 0.
+///
+/// An operand of `-inf` would meet the zeros (`-inf · 0` is NaN): the MMA reads each bias pair
+/// raised to at least `floor`, bf16's lowest finite value, which times a factor above 1.004
+/// overflows the f32 product back to `-inf` (the launch takes the MMA only for such factors).
+#[derive(CubeType)]
+pub struct MmaStagedFactor<E: Float> {
+    value: f32,
+    diagonals: Array<Pair<E>>,
+    floor: Pair<E>,
+}
+
 #[cube]
 fn pair<T: Float>(first: T, second: T) -> Pair<T> {
     let mut pair = Pair::<T>::empty();
@@ -590,6 +606,7 @@ fn query_fragments<E: Float>(stage: SharedMemory<E>, #[comptime] cfg: TileConfig
 #[cube]
 impl<E: Float> AttentionTile<E> for MmaTile {
     type Query = MmaQuery<E>;
+    type StagedFactor = MmaStagedFactor<E>;
 
     fn load_query(
         q: &Tensor<E>,
@@ -856,11 +873,42 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         }
     }
 
+    fn staged_factor(factor: f32, #[comptime] cfg: TileConfig) -> MmaStagedFactor<E> {
+        let def = definition::<E>();
+        let value = E::cast_from(factor);
+        let mut diagonals = Array::<Pair<E>>::new(4usize);
+        if comptime!(cfg.staged.bias_mma()) {
+            #[unroll]
+            for half in 0..2usize {
+                #[unroll]
+                for reg in 0..2usize {
+                    let mut diagonal = Pair::<E>::empty();
+                    #[unroll]
+                    for e in 0..2usize {
+                        let (k, n) = def.position_of_nth(
+                            UNIT_POS_X,
+                            comptime!((reg * 2 + e) as u32),
+                            MatrixIdent::B,
+                        );
+                        diagonal[e] =
+                            select(k == n + comptime!(half as u32 * 8), value, E::new(0.0));
+                    }
+                    diagonals[comptime!(half * 2 + reg)] = diagonal;
+                }
+            }
+        }
+        MmaStagedFactor::<E> {
+            value: factor,
+            diagonals,
+            floor: pair::<E>(E::min_value(), E::min_value()),
+        }
+    }
+
     fn add_staged(
         scores: &mut Array<f32>,
         stage: &SharedMemory<E>,
         base: usize,
-        factor: f32,
+        factor: &MmaStagedFactor<E>,
         #[comptime] cfg: TileConfig,
     ) {
         // ldmatrix.x4 as for a query fragment: the A fragment of a 16 × 16 block holds, in
@@ -887,11 +935,30 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                     4usize,
                     false,
                 );
-                #[unroll]
-                for i in 0..4usize {
-                    let reg = comptime!((m * n_tiles + pair * 2 + i / 2) * 4 + i % 2 * 2);
-                    scores[reg] += f32::cast_from(fragment[i][0]) * factor;
-                    scores[comptime!(reg + 1)] += f32::cast_from(fragment[i][1]) * factor;
+                if comptime!(cfg.staged.bias_mma()) {
+                    let mut bias = Array::<Pair<E>>::new(4usize);
+                    #[unroll]
+                    for i in 0..4usize {
+                        bias[i] = max(fragment[i], factor.floor);
+                    }
+                    #[unroll]
+                    for half in 0..2usize {
+                        let acc_tile = comptime!(m * n_tiles + pair * 2 + half);
+                        let mut acc = load_acc(scores, acc_tile);
+                        def.execute_inplace(
+                            &bias,
+                            &operand::<E>(&factor.diagonals, comptime!(half * 2), 2usize),
+                            &mut acc,
+                        );
+                        store_acc(&acc, scores, acc_tile);
+                    }
+                } else {
+                    #[unroll]
+                    for i in 0..4usize {
+                        let reg = comptime!((m * n_tiles + pair * 2 + i / 2) * 4 + i % 2 * 2);
+                        scores[reg] += f32::cast_from(fragment[i][0]) * factor.value;
+                        scores[comptime!(reg + 1)] += f32::cast_from(fragment[i][1]) * factor.value;
+                    }
                 }
             }
         }

@@ -20,6 +20,8 @@ use super::config::TileConfig;
 pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// The query rows this unit multiplies with, in the form the score product consumes.
     type Query: CubeType;
+    /// What [`add_staged`](Self::add_staged) multiplies a staged input by.
+    type StagedFactor: CubeType;
 
     /// Load this unit's query rows of the block starting at `q_start`; rows at or past `seq_q`
     /// read as zeros.
@@ -130,13 +132,17 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         #[comptime] cfg: TileConfig,
     );
 
-    /// Add `factor` times a block of a 16-bit score input staged in shared memory at `base`
+    /// [`add_staged`](Self::add_staged)'s factor, prepared once per launch.
+    fn staged_factor(factor: f32, #[comptime] cfg: TileConfig) -> Self::StagedFactor;
+
+    /// Add `factor` ([`staged_factor`](Self::staged_factor)) times a block of a 16-bit score
+    /// input staged in shared memory at `base`
     /// ([`input_offset`](crate::kernel::stage::input_offset)) to the score registers.
     fn add_staged(
         scores: &mut Array<f32>,
         stage: &SharedMemory<E>,
         base: usize,
-        factor: f32,
+        factor: &Self::StagedFactor,
         #[comptime] cfg: TileConfig,
     );
 

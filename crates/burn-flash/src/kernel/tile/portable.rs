@@ -13,6 +13,7 @@ pub struct PortableTile;
 #[cube]
 impl<E: Float> AttentionTile<E> for PortableTile {
     type Query = Array<f32>;
+    type StagedFactor = f32;
 
     fn load_query(
         q: &Tensor<E>,
@@ -135,17 +136,21 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         }
     }
 
+    fn staged_factor(factor: f32, #[comptime] _cfg: TileConfig) -> f32 {
+        factor
+    }
+
     fn add_staged(
         scores: &mut Array<f32>,
         stage: &SharedMemory<E>,
         base: usize,
-        factor: f32,
+        factor: &f32,
         #[comptime] cfg: TileConfig,
     ) {
         #[unroll]
         for reg in 0..cfg.score_regs() {
             let at = base + input_offset(UNIT_POS as usize, reg, CHUNK, cfg);
-            scores[reg] += f32::cast_from(stage[at]) * factor;
+            scores[reg] += f32::cast_from(stage[at]) * *factor;
         }
     }
 
