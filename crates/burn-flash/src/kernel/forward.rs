@@ -512,6 +512,7 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
 ) -> T::Query {
     let query = T::load_query(q, coords.q_base, coords.q_start, coords.band.seq_q, cfg);
+    let bias_factor = &T::staged_factor(coords.inv_scale, cfg);
     let mut keys = SharedMemory::<E>::new(cfg.block_kv * cfg.head_dim);
     let mut values = SharedMemory::<E>::new(cfg.block_kv * cfg.value_dim);
     for block in first..end {
@@ -552,7 +553,7 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
             0,
             first_row,
             coords,
-            &T::staged_factor(coords.inv_scale, cfg),
+            bias_factor,
             scale,
             stats,
             acc,

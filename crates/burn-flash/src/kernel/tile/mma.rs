@@ -325,11 +325,11 @@ fn rows_product<E: Float>(
 }
 
 /// `accum += Gᵀ · owned` for this plane's staged rows and columns: exchange slot
-/// [`grads_slot`] of `scratch` holds `G` (owned × staged, swizzled, `cfg.block_kv` wide), `owned` the owned rows
-/// (`cfg.head_dim` wide). Each group of split planes takes `cfg.dq_plane_rows()` staged rows,
-/// each of its planes its part of the head dim (all of it without a split),
-/// `cfg.dq_chunk_cols()` columns at a time; each chunk goes through the plane's region of
-/// `staging` to [`add_rows`].
+/// [`grads_slot`] of `scratch` holds `G` (owned × staged, swizzled, `cfg.block_kv` wide),
+/// `owned` the owned rows (`cfg.head_dim` wide). Each group of split planes takes
+/// `cfg.dq_plane_rows()` staged rows, each of its planes its part of the head dim (all of it
+/// without a split), `cfg.dq_chunk_cols()` columns at a time; each chunk goes through the
+/// plane's region of `staging` to [`add_rows`].
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn transposed_product<E: Float, N: Size>(
