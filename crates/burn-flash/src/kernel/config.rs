@@ -60,9 +60,13 @@ pub struct TileConfig {
     /// two products.
     pub split: usize,
     /// Tensor-core tile: keep the query block in shared memory and re-read its fragments for
-    /// each KV block instead of holding them in registers (head dim 128, where registers would
-    /// not hold Q beside the scores and the output accumulators).
+    /// each KV block instead of holding them in registers (head dims above 64, where registers
+    /// would not hold Q beside the scores and the output accumulators, or where
+    /// [`owned_in_smem`](Self::owned_in_smem) asks for it).
     pub query_in_smem: bool,
+    /// Keep the owned operands in shared memory at every head dim
+    /// ([`with_owned_in_smem`](Self::with_owned_in_smem)).
+    pub owned_in_smem: bool,
     /// Which keys are hidden: band bounds (causal, sliding window), a boolean mask input.
     pub mask: MaskConfig,
     /// An additive bias input is added to the scores.
@@ -171,6 +175,7 @@ impl TileConfig {
             plane_rows,
             split: 1,
             query_in_smem: head_dim > 64,
+            owned_in_smem: false,
             mask: MaskConfig::default(),
             bias: false,
             bias_grad: false,
@@ -197,6 +202,7 @@ impl TileConfig {
             plane_rows: 1,
             split: 1,
             query_in_smem: false,
+            owned_in_smem: false,
             mask: MaskConfig::default(),
             bias: false,
             bias_grad: false,
@@ -250,6 +256,17 @@ impl TileConfig {
     /// own launch.
     pub fn with_atomic_dq(self, atomic_dq: bool) -> Self {
         Self { atomic_dq, ..self }
+    }
+
+    /// These blocks with the owned operands read from shared memory per staged block at every
+    /// head dim (tensor-core tile): for launches whose scores need the registers that holding
+    /// them would take.
+    pub fn with_owned_in_smem(self) -> Self {
+        Self {
+            owned_in_smem: true,
+            query_in_smem: self.tile == TilePath::TensorCore,
+            ..self
+        }
     }
 
     /// These blocks with `split` planes sharing each group of owned rows (see
@@ -339,7 +356,8 @@ impl TileConfig {
         Self {
             head_dim,
             value_dim,
-            query_in_smem: self.tile == TilePath::TensorCore && head_dim > 64,
+            query_in_smem: self.tile == TilePath::TensorCore
+                && (head_dim > 64 || self.owned_in_smem),
             ..self
         }
     }

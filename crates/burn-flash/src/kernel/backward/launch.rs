@@ -47,9 +47,12 @@ pub fn backward_support<R: CubeRuntime>(
 /// dim of dK and dV ([`TileConfig::split`]), so that every staged fragment feeds two products;
 /// with atomics four pairs (128 keys per cube, half the atomics per product of a 64-key cube),
 /// else two. Head dim 64 with atomics: the same four pairs, each plane holding half of the head
-/// dim (32 columns, half a swizzle group). Other head dims, and head dim 64 without atomics
-/// (where pairs measured no faster): 4 planes of 16 owned keys (one m16 block) against 64-row
-/// stages.
+/// dim (32 columns, half a swizzle group), against 128-row stages (FlashAttention-2's block at
+/// this head dim: each plane's scores then span 64 staged queries), with the owned keys and
+/// values re-read from shared memory, as the scores take the registers that would hold them
+/// ([`narrow_stages`] where the 202 KB of shared memory this needs do not fit). Other head
+/// dims, and head dim 64 without atomics (where pairs measured no faster): 4 planes of 16 owned
+/// keys (one m16 block) against 64-row stages.
 /// `BURN_FLASH_BWD_SPLIT=1|2` and `BURN_FLASH_BWD_SHAPE=planes,rows,kv` override them for
 /// tuning runs. Portable: 32 owned rows against 16-row stages, as the forward.
 fn key_value_config(tile: TilePath, head_dim: usize, value_dim: usize, atomic: bool) -> TileConfig {
@@ -75,13 +78,34 @@ fn key_value_config(tile: TilePath, head_dim: usize, value_dim: usize, atomic: b
         1
     };
     let split = split_override.unwrap_or(default_split);
-    let paired_shape = if atomic { (8, 32, 64) } else { (4, 32, 64) };
+    let paired_shape = match (atomic, paired_64) {
+        (true, true) => (8, 32, 128),
+        (true, false) => (8, 32, 64),
+        (false, _) => (4, 32, 64),
+    };
     let paired = tile_config(tile, head_dim, value_dim, shape.unwrap_or(paired_shape));
     if split > 1 && paired.can_split(split) {
-        paired.with_split(split)
+        let paired = paired.with_split(split);
+        if paired_64 && paired.block_kv > 64 {
+            paired.with_owned_in_smem()
+        } else {
+            paired
+        }
     } else {
         tile_config(tile, head_dim, value_dim, shape.unwrap_or((4, 16, 64)))
     }
+}
+
+/// The same single pass on 64-row stages with the owned operands in registers, for blocks of
+/// 128-row stages that re-read them from shared memory ([`key_value_config`]): those need more
+/// shared memory than an SM80 cube has.
+fn narrow_stages(cfg: &TileConfig) -> Option<TileConfig> {
+    (cfg.owned_in_smem && cfg.block_kv > 64).then_some(TileConfig {
+        block_kv: 64,
+        owned_in_smem: false,
+        query_in_smem: cfg.head_dim > 64,
+        ..*cfg
+    })
 }
 
 /// Block shapes of the dQ launch, which holds one head-dim-wide accumulator where the dK/dV
@@ -139,7 +163,8 @@ fn atomic_dq_usable<R: CubeRuntime>(
 
 /// Whether the atomic dQ is the faster of the two ways for these shapes, as measured on the H100
 /// (`docs/backward.md`): on the tensor-core tile from head dim 128 over at least 1024 keys, 2048
-/// when causal (4–15 % faster there), and at head dim 64 over at least 4096 keys (3–5 %; 1–6 %
+/// when causal (4–15 % faster there), and at head dim 64 over at least 2048 keys, 4096 when
+/// causal (3–5 % from 4096 keys, 2.7 % at 2048; level with dQ's own launch at 2048 causal, 1–6 %
 /// slower at 1024). Shorter and causal-short backwards and other head dims are faster with dQ's
 /// own launch, and the portable tile's per-unit atomics always are.
 /// [`force_atomic_dq`](crate::testing::force_atomic_dq) overrides this for tests, and
@@ -149,7 +174,8 @@ fn atomic_dq_faster(cfg: &TileConfig, seq_k: usize) -> bool {
     let forced = OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_DQ_ATOMIC"));
     let d64 = cfg.head_dim == 64 && cfg.value_dim == 64;
     let min_keys = match (d64, cfg.mask.right) {
-        (true, _) => 4096,
+        (true, true) => 4096,
+        (true, false) => 2048,
         (false, true) => 2048,
         (false, false) => 1024,
     };
@@ -264,7 +290,12 @@ pub fn backward<R: CubeRuntime>(
     let atomic = (!deterministic && !bias_grad && seq_q > 0)
         .then(|| blocks(true))
         .filter(|atomic| atomic_dq_faster(atomic, seq_k))
-        .filter(|atomic| atomic_dq_usable(&client, atomic, dtype.size()));
+        .and_then(|atomic| {
+            [Some(atomic), narrow_stages(&atomic)]
+                .into_iter()
+                .flatten()
+                .find(|atomic| atomic_dq_usable(&client, atomic, dtype.size()))
+        });
     let cfg = match atomic {
         Some(atomic) => atomic.with_atomic_dq(true),
         None => blocks(false),
@@ -437,7 +468,9 @@ mod tests {
         assert!(atomic_dq_faster(&tc(256, false), 4096));
         assert!(atomic_dq_faster(&tc(64, false), 4096));
         assert!(atomic_dq_faster(&tc(64, true), 16384));
-        assert!(!atomic_dq_faster(&tc(64, false), 4095));
+        assert!(atomic_dq_faster(&tc(64, false), 2048));
+        assert!(!atomic_dq_faster(&tc(64, false), 2047));
+        assert!(!atomic_dq_faster(&tc(64, true), 4095));
         assert!(!atomic_dq_faster(&tc(32, false), 16384));
         assert!(!atomic_dq_faster(&tc(96, false), 16384));
         // Head dim 64 takes the atomic dQ in split pairs of 128 keys, without it unsplit.
@@ -454,5 +487,26 @@ mod tests {
         let _forced = crate::testing::force_atomic_dq();
         assert!(atomic_dq_faster(&tc(64, true), 1));
         assert!(atomic_dq_faster(&portable, 1));
+    }
+
+    #[test]
+    fn head_dim_64_single_pass_narrows_where_shared_memory_is_short() {
+        let wide = key_value_config(TilePath::TensorCore, 64, 64, true).with_atomic_dq(true);
+        assert_eq!((wide.block_q, wide.block_kv, wide.split), (128, 128, 2));
+        assert!(wide.query_in_smem && wide.with_widths(64, 64).query_in_smem);
+        // 227 KiB per cube on SM90, 163 KiB on SM80.
+        let bytes = wide.backward_shared_bytes(2);
+        assert!(bytes <= 227 * 1024 && bytes > 163 * 1024, "{bytes}");
+        let narrow = narrow_stages(&wide).expect("a narrower shape");
+        assert_eq!(
+            (narrow.block_q, narrow.block_kv, narrow.split),
+            (128, 64, 2)
+        );
+        assert!(!narrow.query_in_smem && !narrow.with_widths(64, 64).query_in_smem);
+        assert!(narrow.backward_shared_bytes(2) <= 163 * 1024);
+        assert_eq!(narrow_stages(&narrow), None);
+        // Head dim 128 stages 64 rows already.
+        let d128 = key_value_config(TilePath::TensorCore, 128, 128, true);
+        assert_eq!((d128.block_kv, narrow_stages(&d128)), (64, None));
     }
 }
