@@ -59,13 +59,8 @@ pub struct TileConfig {
     /// per plane then fit beside two head-dim-wide accumulators, so every staged fragment feeds
     /// two products.
     pub split: usize,
-    /// Tensor-core tile: keep the query block in shared memory and re-read its fragments for
-    /// each KV block instead of holding them in registers (head dims above 64, where registers
-    /// would not hold Q beside the scores and the output accumulators, or where
-    /// [`owned_in_smem`](Self::owned_in_smem) asks for it).
-    pub query_in_smem: bool,
     /// Keep the owned operands in shared memory at every head dim
-    /// ([`with_owned_in_smem`](Self::with_owned_in_smem)).
+    /// ([`with_owned_in_smem`](Self::with_owned_in_smem), [`query_in_smem`](Self::query_in_smem)).
     pub owned_in_smem: bool,
     /// Which keys are hidden: band bounds (causal, sliding window), a boolean mask input.
     pub mask: MaskConfig,
@@ -174,7 +169,6 @@ impl TileConfig {
             planes,
             plane_rows,
             split: 1,
-            query_in_smem: head_dim > 64,
             owned_in_smem: false,
             mask: MaskConfig::default(),
             bias: false,
@@ -201,7 +195,6 @@ impl TileConfig {
             planes: 1,
             plane_rows: 1,
             split: 1,
-            query_in_smem: false,
             owned_in_smem: false,
             mask: MaskConfig::default(),
             bias: false,
@@ -264,9 +257,16 @@ impl TileConfig {
     pub fn with_owned_in_smem(self) -> Self {
         Self {
             owned_in_smem: true,
-            query_in_smem: self.tile == TilePath::TensorCore,
             ..self
         }
+    }
+
+    /// Tensor-core tile: whether the owned block stays in shared memory, its fragments re-read
+    /// for each staged block instead of held in registers: above head dim 64, where registers
+    /// would not hold them beside the scores and the output accumulators, or where
+    /// [`owned_in_smem`](Self::owned_in_smem) asks for it.
+    pub fn query_in_smem(&self) -> bool {
+        self.tile == TilePath::TensorCore && (self.head_dim > 64 || self.owned_in_smem)
     }
 
     /// These blocks with `split` planes sharing each group of owned rows (see
@@ -356,8 +356,6 @@ impl TileConfig {
         Self {
             head_dim,
             value_dim,
-            query_in_smem: self.tile == TilePath::TensorCore
-                && (head_dim > 64 || self.owned_in_smem),
             ..self
         }
     }

@@ -103,7 +103,6 @@ fn narrow_stages(cfg: &TileConfig) -> Option<TileConfig> {
     (cfg.owned_in_smem && cfg.block_kv > 64).then_some(TileConfig {
         block_kv: 64,
         owned_in_smem: false,
-        query_in_smem: cfg.head_dim > 64,
         ..*cfg
     })
 }
@@ -493,7 +492,7 @@ mod tests {
     fn head_dim_64_single_pass_narrows_where_shared_memory_is_short() {
         let wide = key_value_config(TilePath::TensorCore, 64, 64, true).with_atomic_dq(true);
         assert_eq!((wide.block_q, wide.block_kv, wide.split), (128, 128, 2));
-        assert!(wide.query_in_smem && wide.with_widths(64, 64).query_in_smem);
+        assert!(wide.query_in_smem() && wide.with_widths(64, 64).query_in_smem());
         // 227 KiB per cube on SM90, 163 KiB on SM80.
         let bytes = wide.backward_shared_bytes(2);
         assert!(bytes <= 227 * 1024 && bytes > 163 * 1024, "{bytes}");
@@ -502,7 +501,7 @@ mod tests {
             (narrow.block_q, narrow.block_kv, narrow.split),
             (128, 64, 2)
         );
-        assert!(!narrow.query_in_smem && !narrow.with_widths(64, 64).query_in_smem);
+        assert!(!narrow.query_in_smem() && !narrow.with_widths(64, 64).query_in_smem());
         assert!(narrow.backward_shared_bytes(2) <= 163 * 1024);
         assert_eq!(narrow_stages(&narrow), None);
         // Head dim 128 stages 64 rows already.

@@ -2,7 +2,7 @@
 //! from swizzled shared memory with `ldmatrix`. Each plane owns `cfg.plane_rows` query rows (one
 //! or two m16 blocks), so every K/V fragment it reads feeds that many MMAs. The query block is
 //! staged once in shared memory; its A fragments then either stay in registers for the whole KV
-//! loop or, at head dim 128, are re-read per KV block (`cfg.query_in_smem`). P goes from the S
+//! loop or, at head dim 128, are re-read per KV block (`cfg.query_in_smem()`). P goes from the S
 //! accumulators straight into the A operand of P·V without touching shared memory.
 
 // The cube macro expands `%` itself; `is_multiple_of` has no kernel form.
@@ -186,7 +186,7 @@ fn part_start(#[comptime] cols: usize, #[comptime] cfg: TileConfig) -> (usize, u
 
 /// The query block of a cube, staged in shared memory (swizzled like the K/V stages), and the
 /// plane's A fragments when they live in registers: 4 registers per (m16 block, 16-deep step),
-/// indexed `(m · steps + step) · 4`. With `cfg.query_in_smem` the register array is a 1-element
+/// indexed `(m · steps + step) · 4`. With `cfg.query_in_smem()` the register array is a 1-element
 /// placeholder.
 #[derive(CubeType)]
 pub struct MmaQuery<E: Float> {
@@ -232,7 +232,7 @@ fn query_operand<E: Float>(
     #[comptime] step: usize,
     #[comptime] cfg: TileConfig,
 ) -> Array<Pair<E>> {
-    if comptime!(cfg.query_in_smem) {
+    if comptime!(cfg.query_in_smem()) {
         row_fragment::<E>(
             &query.stage,
             0usize,
@@ -576,17 +576,17 @@ fn copy_owned<E: Float>(
 }
 
 /// The owned block copied into `stage`, with the plane's A fragments read into registers unless
-/// `cfg.query_in_smem`. The copies must have landed.
+/// `cfg.query_in_smem()`. The copies must have landed.
 #[cube]
 fn query_fragments<E: Float>(stage: SharedMemory<E>, #[comptime] cfg: TileConfig) -> MmaQuery<E> {
     let steps = comptime!(cfg.head_dim / MMA_K);
-    let held = comptime!(if cfg.query_in_smem {
+    let held = comptime!(if cfg.query_in_smem() {
         1
     } else {
         cfg.m_tiles() * steps * 4
     });
     let mut regs = Array::<Pair<E>>::new(held);
-    if comptime!(!cfg.query_in_smem) {
+    if comptime!(!cfg.query_in_smem()) {
         #[unroll]
         for m in 0..cfg.m_tiles() {
             #[unroll]
