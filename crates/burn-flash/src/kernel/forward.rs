@@ -432,8 +432,10 @@ fn fetch_block<E: Float, M: Int>(
     fetch_stage::<E>(
         k,
         coords.k_base,
+        k.stride(2),
         v,
         coords.v_base,
+        v.stride(2),
         kv_start,
         coords.band.seq_k,
         keys,

@@ -63,13 +63,14 @@ pub fn swizzled_offset(
 }
 
 /// Issue asynchronous copies of rows `[first_row, first_row + rows)` of one head of `src`
-/// (`width` wide) into `stage` (rows `cfg.stride(width)` apart). Rows at or past `seq` are
-/// zero-filled, never read.
+/// (`width` wide, rows `row_stride` apart) into `stage` (rows `cfg.stride(width)` apart). Rows at
+/// or past `seq` are zero-filled, never read.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn copy_block_async<E: Float>(
     src: &Tensor<E>,
     head_base: usize,
+    row_stride: usize,
     first_row: usize,
     seq: usize,
     stage: &mut SharedMemory<E>,
@@ -81,7 +82,6 @@ pub fn copy_block_async<E: Float>(
     let chunks_per_row = comptime!(width / CHUNK);
     let units = comptime!(cfg.units());
     let stride = comptime!(cfg.stride(width));
-    let row_stride = src.stride(2);
     if comptime!(
         units.is_multiple_of(chunks_per_row) && rows.is_multiple_of(units / chunks_per_row)
     ) {
@@ -162,7 +162,7 @@ fn copy_chunk<E: Float>(
 /// not `in_bounds`, a zero-length source that `cp.async` zero-fills (`src_start` must then still
 /// lie inside `src`).
 #[cube]
-fn copy_or_zero_fill<N: CubePrimitive>(
+pub fn copy_or_zero_fill<N: CubePrimitive>(
     src: &Tensor<N>,
     src_start: usize,
     in_bounds: bool,
@@ -179,9 +179,9 @@ fn copy_or_zero_fill<N: CubePrimitive>(
 }
 
 /// Stage `stage` (0 or 1) of a double-buffered pair of operands: copies of rows
-/// `[first_row, first_row + cfg.block_kv)` of `first` (`cfg.head_dim` wide) and `second`
-/// (`cfg.value_dim` wide) issued asynchronously, to be committed to that stage's barrier
-/// ([`StageBarriers::commit`]).
+/// `[first_row, first_row + cfg.block_kv)` of `first` (`cfg.head_dim` wide, rows
+/// `first_row_stride` apart) and `second` (`cfg.value_dim` wide, `second_row_stride`) issued
+/// asynchronously, to be committed to that stage's barrier ([`StageBarriers::commit`]).
 /// `first_stages` holds two blocks of `cfg.head_stride()`-apart rows, `second_stages` two of
 /// `cfg.value_stride()`.
 #[cube]
@@ -189,8 +189,10 @@ fn copy_or_zero_fill<N: CubePrimitive>(
 pub fn fetch_stage<E: Float>(
     first: &Tensor<E>,
     first_base: usize,
+    first_row_stride: usize,
     second: &Tensor<E>,
     second_base: usize,
+    second_row_stride: usize,
     first_row: usize,
     seq: usize,
     first_stages: &mut SharedMemory<E>,
@@ -201,6 +203,7 @@ pub fn fetch_stage<E: Float>(
     copy_block_async::<E>(
         first,
         first_base,
+        first_row_stride,
         first_row,
         seq,
         first_stages,
@@ -212,6 +215,7 @@ pub fn fetch_stage<E: Float>(
     copy_block_async::<E>(
         second,
         second_base,
+        second_row_stride,
         first_row,
         seq,
         second_stages,

@@ -7,11 +7,11 @@
 
 use cubecl::prelude::*;
 
-use super::walk::{Span, Sweep, walk};
+use super::walk::{Span, Sweep, WalkDims, walk};
 use crate::kernel::config::TileConfig;
 use crate::kernel::dropout::Dropout;
 use crate::kernel::grid::batch_and_head;
-use crate::kernel::mask::{Band, query_range};
+use crate::kernel::mask::query_range;
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
 
@@ -34,6 +34,7 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     d_k: &mut Tensor<E>,
     d_v: &mut Tensor<E>,
     d_q_accum: &mut ComptimeOption<Tensor<Atomic<Vector<f32, N>>>>,
+    dims: WalkDims,
     scale: f32,
     band_left: u32,
     band_right: u32,
@@ -46,8 +47,8 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
     let (batch, kv_head) = batch_and_head(cfg);
-    let group = q.shape(1) / k.shape(1);
-    let band = Band::new(q, k, band_left, band_right);
+    let group = dims.heads / dims.kv_heads;
+    let band = dims.band(band_left, band_right);
     let owned_start = CUBE_POS_X as usize * cfg.block_q;
     let key_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
     let value_cfg = comptime!(cfg.with_widths(cfg.value_dim, cfg.value_dim));
@@ -81,13 +82,15 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     let (first_query, end_query) = query_range(band, owned_start, owned_end, cfg.mask);
     let first_head = kv_head * group;
     let sweep = Sweep {
-        first_base: batch * q.stride(0) + first_head * q.stride(1),
-        first_step: q.stride(1),
-        second_base: batch * d_out.stride(0) + first_head * d_out.stride(1),
-        second_step: d_out.stride(1),
-        stat_base: batch * lse.stride(0) + first_head * lse.stride(1),
-        stat_step: lse.stride(1),
-        accum_base: (batch * q.shape(1) + first_head) * band.seq_q * cfg.head_dim,
+        first_base: batch * dims.first_strides.batch + first_head * dims.first_strides.head,
+        first_step: dims.first_strides.head,
+        first_row_stride: dims.first_strides.row,
+        second_base: batch * dims.second_strides.batch + first_head * dims.second_strides.head,
+        second_step: dims.second_strides.head,
+        second_row_stride: dims.second_strides.row,
+        stat_base: batch * dims.stat_strides.batch + first_head * dims.stat_strides.head,
+        stat_step: dims.stat_strides.head,
+        accum_base: (batch * dims.heads + first_head) * band.seq_q * cfg.head_dim,
         accum_step: band.seq_q * cfg.head_dim,
         members: group,
         first_block: first_query / cfg.block_kv,
@@ -104,8 +107,8 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             dropout_seed_lo,
             dropout_seed_hi,
             dropout_threshold,
-            q.shape(1),
-            k.shape(2),
+            dims.heads,
+            dims.seq_k,
         ),
         alibi_pow2,
     };

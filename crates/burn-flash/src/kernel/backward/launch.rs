@@ -13,6 +13,7 @@ use cubecl::prelude::*;
 use super::key_value::key_value_grads;
 use super::query::{finish_query_grads, query_grads};
 use super::row_dot::row_dot;
+use super::walk::{StridesLaunch, WalkDimsLaunch};
 use crate::kernel::TilePath;
 use crate::kernel::config::{MMA_M, ScoreParams, TileConfig};
 use crate::kernel::grid::{batch_inner, cube_count};
@@ -215,6 +216,30 @@ fn dq_vector_width<R: CubeRuntime>(client: &ComputeClient<R>, cfg: &TileConfig) 
     }
 }
 
+/// The [`WalkDims`](super::walk::WalkDims) of a launch over queries `q` and keys `k` that
+/// stages `first` and `second`, with statistics `stats` (`[b, h, seq_q]`).
+fn walk_dims<R: CubeRuntime>(
+    q: &CubeTensor<R>,
+    k: &CubeTensor<R>,
+    first: &CubeTensor<R>,
+    second: &CubeTensor<R>,
+    stats: &CubeTensor<R>,
+) -> WalkDimsLaunch<R> {
+    let strides = |t: &CubeTensor<R>| {
+        let s = t.meta.strides();
+        StridesLaunch::new(s[0], s[1], s.get(2).copied().unwrap_or(1))
+    };
+    WalkDimsLaunch::new(
+        q.meta.shape()[2],
+        k.meta.shape()[2],
+        q.meta.shape()[1],
+        k.meta.shape()[1],
+        strides(first),
+        strides(second),
+        strides(stats),
+    )
+}
+
 /// The gradients of one backward: `bias` is the gradient of the scores, `[b, h, sq, sk]` in the
 /// inputs' dtype, when it was asked for (the caller sums it over the bias's broadcast dims).
 pub struct Grads<R: CubeRuntime> {
@@ -321,6 +346,8 @@ pub fn backward<R: CubeRuntime>(
     let softcap = params.softcap.unwrap_or(1.0);
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
     let alibi_pow2 = params.alibi_pow2.unwrap_or(1);
+    let key_value_dims = walk_dims(&q, &k, &q, &d_out, &lse);
+    let query_dims = walk_dims(&q, &k, &k, &v, &lse);
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernels form is
     // bounded by the tensors' shapes (rows past the ends are clamped, zero-filled or skipped).
@@ -377,6 +404,7 @@ pub fn backward<R: CubeRuntime>(
                             }
                             None => ComptimeOptionArgs::None,
                         },
+                        key_value_dims,
                         params.scale,
                         params.left,
                         params.right,
@@ -420,6 +448,7 @@ pub fn backward<R: CubeRuntime>(
                         delta.into_tensor_arg(),
                         d_q.clone().into_tensor_arg(),
                         d_bias.clone().map(CubeTensor::into_tensor_arg).into(),
+                        query_dims,
                         params.scale,
                         params.left,
                         params.right,

@@ -4,11 +4,11 @@
 
 use cubecl::prelude::*;
 
-use super::walk::{Span, Sweep, walk};
+use super::walk::{Span, Sweep, WalkDims, walk};
 use crate::kernel::config::TileConfig;
 use crate::kernel::dropout::Dropout;
 use crate::kernel::grid::{batch_and_head, row_block};
-use crate::kernel::mask::{Band, kv_blocks};
+use crate::kernel::mask::kv_blocks;
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
 
@@ -30,6 +30,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     delta: &Tensor<f32>,
     d_q: &mut Tensor<E>,
     d_bias: &mut ComptimeOption<Tensor<E>>,
+    dims: WalkDims,
     scale: f32,
     band_left: u32,
     band_right: u32,
@@ -42,18 +43,18 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
     let (batch, head) = batch_and_head(cfg);
-    let kv_head = head / (q.shape(1) / k.shape(1));
+    let kv_head = head / (dims.heads / dims.kv_heads);
     let span = Span {
         owned_start: row_block(cfg) * cfg.block_q,
-        band: Band::new(q, k, band_left, band_right),
+        band: dims.band(band_left, band_right),
         softcap: Softcap::new(scale, softcap),
         inv_scale: 1.0 / scale,
         dropout: Dropout::new(
             dropout_seed_lo,
             dropout_seed_hi,
             dropout_threshold,
-            q.shape(1),
-            k.shape(2),
+            dims.heads,
+            dims.seq_k,
         ),
         alibi_pow2,
     };
@@ -83,11 +84,13 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
 
     let (first_block, end_block) = kv_blocks(span.band, span.owned_start, cfg);
     let sweep = Sweep {
-        first_base: batch * k.stride(0) + kv_head * k.stride(1),
+        first_base: batch * dims.first_strides.batch + kv_head * dims.first_strides.head,
         first_step: 0,
-        second_base: batch * v.stride(0) + kv_head * v.stride(1),
+        first_row_stride: dims.first_strides.row,
+        second_base: batch * dims.second_strides.batch + kv_head * dims.second_strides.head,
         second_step: 0,
-        stat_base: batch * lse.stride(0) + head * lse.stride(1),
+        second_row_stride: dims.second_strides.row,
+        stat_base: batch * dims.stat_strides.batch + head * dims.stat_strides.head,
         stat_step: 0,
         accum_base: 0,
         accum_step: 0,

@@ -19,7 +19,9 @@ use crate::kernel::inputs::{
 };
 use crate::kernel::mask::{Band, block_needs_mask, key_visible};
 use crate::kernel::softmax::{Softcap, exp2};
-use crate::kernel::stage::{StageBarriers, fetch_stage, load_block, smem_anchor};
+use crate::kernel::stage::{
+    StageBarriers, copy_or_zero_fill, fetch_stage, load_block, smem_anchor,
+};
 use crate::kernel::tile::AttentionTile;
 
 /// Where a backward cube sits and the lengths that bound it.
@@ -35,6 +37,48 @@ pub struct Span {
     pub alibi_pow2: u32,
 }
 
+/// The lengths, head counts and strides a backward launch indexes with, passed as launch
+/// scalars. CubeCL 0.10 reads a tensor's shape and strides from a metadata buffer in global
+/// memory, and what is loaded from memory lives in per-thread registers: the dK/dV single pass
+/// has none to spare, so the compiler kept them (and the walk's bounds derived from them) in
+/// local memory and reloaded them every block. Scalars sit in the launch's constant bank, and
+/// what the cube derives from them alone in its uniform registers.
+#[derive(CubeLaunch, CubeType, Clone, Copy)]
+pub struct WalkDims {
+    pub seq_q: usize,
+    pub seq_k: usize,
+    /// Query heads and key/value heads.
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// Batch, head and row strides of the staged tensors: Q and dO owning keys, K and V owning
+    /// queries.
+    pub first_strides: Strides,
+    pub second_strides: Strides,
+    /// Batch and head strides of the log-sum-exp and D (`[b, h, seq_q]`).
+    pub stat_strides: Strides,
+}
+
+/// Batch, head and row strides of a `[batch, heads, rows, ..]` tensor.
+#[derive(CubeLaunch, CubeType, Clone, Copy)]
+pub struct Strides {
+    pub batch: usize,
+    pub head: usize,
+    pub row: usize,
+}
+
+#[cube]
+impl WalkDims {
+    /// The band of these lengths with these offsets.
+    pub fn band(&self, left: u32, right: u32) -> Band {
+        Band {
+            seq_q: self.seq_q,
+            seq_k: self.seq_k,
+            left: left as usize,
+            right: right as usize,
+        }
+    }
+}
+
 /// The staged side of a walk: blocks `[first_block, end_block)` of `first` (the score product's
 /// right operand, `cfg.head_dim` wide) and `second` (`dP`'s, `cfg.value_dim` wide), for each of
 /// `members` heads. Owning keys under GQA, the members are the query heads that read the owned
@@ -44,8 +88,10 @@ pub struct Span {
 pub struct Sweep {
     pub first_base: usize,
     pub first_step: usize,
+    pub first_row_stride: usize,
     pub second_base: usize,
     pub second_step: usize,
+    pub second_row_stride: usize,
     /// Offset of member 0's (batch, query head) in the log-sum-exp and D (`[b, h, seq_q]`
     /// contiguous, so one step serves both).
     pub stat_base: usize,
@@ -101,72 +147,79 @@ fn query_stat(stat: &Tensor<f32>, stat_base: usize, span: Span, query: usize) ->
     select(valid, stat[stat_base + select(valid, query, 0usize)], 0.0)
 }
 
-/// Whether value `id` of a block of statistics from `first_row` exists (see [`fetch_stats`]),
-/// and its query row.
+/// Value `id` of the statistics of the queries `[first_row, first_row + cfg.block_kv)` of the
+/// head at `stat_base`: the log-sum-exp of row `id` below `cfg.block_kv`, else D of row
+/// `id - cfg.block_kv`. Returns whether it exists (`id` in the block, its row below `seq_q`)
+/// and its source: the tensor (log-sum-exp or not) and the index, clamped into the tensor.
 #[cube]
-fn stat_row(
+fn stat_source(
     id: usize,
+    stat_base: usize,
     first_row: usize,
     seq_q: usize,
     #[comptime] cfg: TileConfig,
-) -> (bool, usize) {
+) -> (bool, bool, usize) {
     let row = first_row + id % cfg.block_kv;
-    (row < seq_q && id < comptime!(2 * cfg.block_kv), row)
+    let valid = row < seq_q && id < comptime!(2 * cfg.block_kv);
+    (
+        valid,
+        id < cfg.block_kv,
+        stat_base + select(valid, row, 0usize),
+    )
 }
 
-/// This unit's share of the log-sum-exp and D of the queries `[first_row, first_row +
-/// cfg.block_kv)` of the head at `stat_base`, as loaded, into `values`: value `id` of the block
-/// is the log-sum-exp of row `id` below `cfg.block_kv`, else D of row `id - cfg.block_kv`
-/// ([`store_stats`] converts them). Owning keys, every score register needs the statistics of
-/// its staged query: staged in shared memory with the block, they cost two shared reads per
-/// column pair instead of two global reads and bound checks per register.
+/// Issue asynchronous copies of the log-sum-exp and D of the queries `[first_row, first_row +
+/// cfg.block_kv)` of the head at `stat_base` into slot `slot` of `stats` (`2 · cfg.block_kv`
+/// per slot: [`stat_source`]'s order), zeros past the end, to be committed with the stage's
+/// copies. Owning keys, every score register needs the statistics of its staged query: staged
+/// with the block, they cost two shared reads per column pair instead of two global reads and
+/// bound checks per register, and no register holds them while the block before computes.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn fetch_stats(
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     stat_base: usize,
     first_row: usize,
     seq_q: usize,
-    values: &mut Array<f32>,
+    stats: &mut SharedMemory<f32>,
+    slot: usize,
     #[comptime] cfg: TileConfig,
 ) {
     #[unroll]
     for i in 0..comptime!(cfg.stats_per_unit()) {
         let id = comptime!(i * cfg.units()) + UNIT_POS as usize;
-        let (valid, row) = stat_row(id, first_row, seq_q, cfg);
-        let at = stat_base + select(valid, row, 0usize);
-        values[i] = if id < cfg.block_kv {
-            lse[at]
-        } else {
-            delta[at]
-        };
+        let (valid, is_lse, at) = stat_source(id, stat_base, first_row, seq_q, cfg);
+        let dst = slot * comptime!(2 * cfg.block_kv) + id;
+        if id < comptime!(2 * cfg.block_kv) {
+            if is_lse {
+                copy_or_zero_fill(lse, at, valid, stats, dst, 1usize);
+            } else {
+                copy_or_zero_fill(delta, at, valid, stats, dst, 1usize);
+            }
+        }
     }
 }
 
-/// Store [`fetch_stats`]' values for the block from `first_row` into slot `slot` of `stats`
-/// (`2 · cfg.block_kv` per slot): the log-sum-exp in base 2, as the probabilities' `exp2` takes
-/// it, and 0 past the end. Converted here, after the block they were fetched behind, rather than
-/// as they arrive: the conversion would wait for the loads at once.
+/// [`fetch_stats`] with plain loads into the single slot of the portable tile's `stats`; the
+/// caller synchronises the cube.
 #[cube]
-fn store_stats(
-    values: &Array<f32>,
-    stats: &mut SharedMemory<f32>,
-    slot: usize,
+fn load_stats(
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    stat_base: usize,
     first_row: usize,
     seq_q: usize,
+    stats: &mut SharedMemory<f32>,
     #[comptime] cfg: TileConfig,
 ) {
     #[unroll]
     for i in 0..comptime!(cfg.stats_per_unit()) {
         let id = comptime!(i * cfg.units()) + UNIT_POS as usize;
-        let (valid, _row) = stat_row(id, first_row, seq_q, cfg);
-        let value = select(
-            id < cfg.block_kv,
-            values[i] * core::f32::consts::LOG2_E,
-            values[i],
-        );
+        let (valid, is_lse, at) = stat_source(id, stat_base, first_row, seq_q, cfg);
+        let value = if is_lse { lse[at] } else { delta[at] };
         if id < comptime!(2 * cfg.block_kv) {
-            stats[slot * comptime!(2 * cfg.block_kv) + id] = select(valid, value, 0.0);
+            stats[id] = select(valid, value, 0.0);
         }
     }
 }
@@ -217,7 +270,6 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     let steps = sweep.members * sweep.blocks();
     let stats_elems = comptime!(if owns_keys { cfg.stats_elems() } else { 1 });
     let mut stats = SharedMemory::<f32>::new(stats_elems);
-    let mut next_stats = Array::<f32>::new(comptime!(cfg.stats_per_unit()));
 
     if comptime!(cfg.tile == TilePath::TensorCore) {
         let mut first_stages = SharedMemory::<E>::new_aligned(
@@ -237,53 +289,43 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             fetch_step::<E>(
                 first,
                 second,
+                lse,
+                delta,
                 sweep,
                 member,
                 row,
                 seq,
                 &mut first_stages,
                 &mut second_stages,
+                &mut stats,
                 0,
                 &barriers,
+                owns_keys,
                 cfg,
             );
-            if comptime!(owns_keys) {
-                fetch_step_stats(lse, delta, sweep, member, row, seq, &mut next_stats, cfg);
-                store_stats(&next_stats, &mut stats, 0, row, seq, cfg);
-            }
         }
         for step in 0..steps {
             let stage = step % 2;
-            // Also publishes the statistics stored for this stage before it.
             barriers.wait(stage);
             let (next_member, next_row) = sweep.advance(member, row, cfg);
             if step + 1 < steps {
                 fetch_step::<E>(
                     first,
                     second,
+                    lse,
+                    delta,
                     sweep,
                     next_member,
                     next_row,
                     seq,
                     &mut first_stages,
                     &mut second_stages,
+                    &mut stats,
                     1 - stage,
                     &barriers,
+                    owns_keys,
                     cfg,
                 );
-                // Loaded now, stored after this block: the latency hides behind its math.
-                if comptime!(owns_keys) {
-                    fetch_step_stats(
-                        lse,
-                        delta,
-                        sweep,
-                        next_member,
-                        next_row,
-                        seq,
-                        &mut next_stats,
-                        cfg,
-                    );
-                }
             }
             block_grads::<E, M, T, N>(
                 first_owned,
@@ -312,11 +354,6 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 owns_keys,
                 cfg,
             );
-            if comptime!(owns_keys) {
-                // Every unit passed this stage's wait, so none still reads the other slot (after
-                // the last block this stores stale values that nobody reads).
-                store_stats(&next_stats, &mut stats, 1 - stage, next_row, seq, cfg);
-            }
             member = next_member;
             row = next_row;
         }
@@ -351,17 +388,15 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 cfg.swizzle(),
             );
             if comptime!(owns_keys) {
-                fetch_step_stats(
+                load_stats(
                     lse,
                     delta,
-                    sweep,
-                    member,
+                    sweep.stat_base + member * sweep.stat_step,
                     first_row,
                     seq,
-                    &mut next_stats,
+                    &mut stats,
                     cfg,
                 );
-                store_stats(&next_stats, &mut stats, 0, first_row, seq, cfg);
             }
             sync_cube();
             block_grads::<E, M, T, N>(
@@ -398,27 +433,34 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     }
 }
 
-/// Issue the copies of the block at `row` of member `member` of `sweep` into stage `stage`.
+/// Issue the copies of the block at `row` of member `member` of `sweep` into stage `stage`,
+/// with its statistics owning keys, and commit them to that stage's barrier.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fetch_step<E: Float>(
     first: &Tensor<E>,
     second: &Tensor<E>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
     sweep: Sweep,
     member: usize,
     row: usize,
     seq: usize,
     first_stages: &mut SharedMemory<E>,
     second_stages: &mut SharedMemory<E>,
+    stats: &mut SharedMemory<f32>,
     stage: usize,
     barriers: &StageBarriers,
+    #[comptime] owns_keys: bool,
     #[comptime] cfg: TileConfig,
 ) {
     fetch_stage::<E>(
         first,
         sweep.first_base + member * sweep.first_step,
+        sweep.first_row_stride,
         second,
         sweep.second_base + member * sweep.second_step,
+        sweep.second_row_stride,
         row,
         seq,
         first_stages,
@@ -426,31 +468,19 @@ fn fetch_step<E: Float>(
         stage,
         cfg,
     );
+    if comptime!(owns_keys) {
+        fetch_stats(
+            lse,
+            delta,
+            sweep.stat_base + member * sweep.stat_step,
+            row,
+            seq,
+            stats,
+            stage,
+            cfg,
+        );
+    }
     barriers.commit(stage);
-}
-
-/// [`fetch_stats`] of the block at `row` of member `member` of `sweep`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn fetch_step_stats(
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
-    sweep: Sweep,
-    member: usize,
-    row: usize,
-    seq: usize,
-    values: &mut Array<f32>,
-    #[comptime] cfg: TileConfig,
-) {
-    fetch_stats(
-        lse,
-        delta,
-        sweep.stat_base + member * sweep.stat_step,
-        row,
-        seq,
-        values,
-        cfg,
-    );
 }
 
 /// Gradients from the staged block at `stage` whose first row is `staged_start`, for query
@@ -538,7 +568,7 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         cfg,
     );
     // The staged statistics of register 0's column; the others are a compile-time distance
-    // from it.
+    // from it. The log-sum-exp is staged as saved and taken to base 2 per column read.
     let scale2 = scale * core::f32::consts::LOG2_E;
     let (_row, first_col) = T::score_position(0usize, cfg);
     let stats_at = smem_anchor(stats_base + first_col);
@@ -548,7 +578,10 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         let (_row, col) = T::score_position(reg, cfg);
         let (row_lse, row_delta) = if comptime!(owns_keys) {
             let at = stats_at + (col - first_col);
-            (stats[at], stats[at + cfg.block_kv])
+            (
+                stats[at] * core::f32::consts::LOG2_E,
+                stats[at + cfg.block_kv],
+            )
         } else {
             (owned_lse[slot], owned_delta[slot])
         };

@@ -565,6 +565,7 @@ fn copy_owned<E: Float>(
     copy_block_async::<E>(
         src,
         head_base,
+        src.stride(2),
         start,
         seq,
         stage,
