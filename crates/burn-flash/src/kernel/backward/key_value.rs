@@ -82,13 +82,13 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     let (first_query, end_query) = query_range(band, owned_start, owned_end, cfg.mask);
     let first_head = kv_head * group;
     let sweep = Sweep {
-        first_base: batch * dims.first_strides.batch + first_head * dims.first_strides.head,
+        first_base: dims.first_strides.at(batch, first_head),
         first_step: dims.first_strides.head,
         first_row_stride: dims.first_strides.row,
-        second_base: batch * dims.second_strides.batch + first_head * dims.second_strides.head,
+        second_base: dims.second_strides.at(batch, first_head),
         second_step: dims.second_strides.head,
         second_row_stride: dims.second_strides.row,
-        stat_base: batch * dims.stat_strides.batch + first_head * dims.stat_strides.head,
+        stat_base: dims.stat_strides.at(batch, first_head),
         stat_step: dims.stat_strides.head,
         accum_base: (batch * dims.heads + first_head) * band.seq_q * cfg.head_dim,
         accum_step: band.seq_q * cfg.head_dim,

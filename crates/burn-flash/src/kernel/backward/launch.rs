@@ -227,7 +227,7 @@ fn walk_dims<R: CubeRuntime>(
 ) -> WalkDimsLaunch<R> {
     let strides = |t: &CubeTensor<R>| {
         let s = t.meta.strides();
-        StridesLaunch::new(s[0], s[1], s.get(2).copied().unwrap_or(1))
+        StridesLaunch::new(s[0], s[1], s[2])
     };
     WalkDimsLaunch::new(
         q.meta.shape()[2],

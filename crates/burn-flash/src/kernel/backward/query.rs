@@ -84,13 +84,13 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
 
     let (first_block, end_block) = kv_blocks(span.band, span.owned_start, cfg);
     let sweep = Sweep {
-        first_base: batch * dims.first_strides.batch + kv_head * dims.first_strides.head,
+        first_base: dims.first_strides.at(batch, kv_head),
         first_step: 0,
         first_row_stride: dims.first_strides.row,
-        second_base: batch * dims.second_strides.batch + kv_head * dims.second_strides.head,
+        second_base: dims.second_strides.at(batch, kv_head),
         second_step: 0,
         second_row_stride: dims.second_strides.row,
-        stat_base: batch * dims.stat_strides.batch + head * dims.stat_strides.head,
+        stat_base: dims.stat_strides.at(batch, head),
         stat_step: 0,
         accum_base: 0,
         accum_step: 0,

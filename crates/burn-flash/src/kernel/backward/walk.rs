@@ -67,6 +67,14 @@ pub struct Strides {
 }
 
 #[cube]
+impl Strides {
+    /// Offset of (`batch`, `head`).
+    pub fn at(&self, batch: usize, head: usize) -> usize {
+        batch * self.batch + head * self.head
+    }
+}
+
+#[cube]
 impl WalkDims {
     /// The band of these lengths with these offsets.
     pub fn band(&self, left: u32, right: u32) -> Band {
