@@ -404,6 +404,16 @@ impl TileConfig {
         }
     }
 
+    /// Whether the backward takes `P = exp(S − lse)` before issuing dP's product, then
+    /// `dS = P ∘ (dP − D)` (head dims above 64), or issues both products first and forms `P`
+    /// and `dS` in one pass (64 and below). The same work, which ptxas schedules and spills
+    /// differently at 255 registers: on the H100 the first order measured up to 4 % faster at
+    /// head dim 128 and 1 % slower at 64 not causal, where it spills 16 accumulators
+    /// (`docs/perf-notes.md`, twenty-seventh session).
+    pub fn probs_before_dp(&self) -> bool {
+        self.value_dim > 64
+    }
+
     /// Output accumulator registers each unit holds.
     pub fn out_regs(&self) -> usize {
         match self.tile {

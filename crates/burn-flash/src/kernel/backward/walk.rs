@@ -534,14 +534,8 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     };
     let views = Views::new::<E, M>(mask, bias, batch, head);
 
-    // S = owned·stagedᵀ (K·Qᵀ or Q·Kᵀ) and dP (V·dOᵀ or dO·Vᵀ), in the same register layout.
+    // S = owned·stagedᵀ (K·Qᵀ or Q·Kᵀ); dP (V·dOᵀ or dO·Vᵀ) below, in the same register layout.
     let mut probs = T::scores(first_owned, first_stages, first_base, cfg);
-    let mut grads = T::scores(
-        second_owned,
-        second_stages,
-        second_base,
-        comptime!(cfg.with_widths(cfg.value_dim, cfg.value_dim)),
-    );
 
     // The softcap's derivative, 1 − tanh², per score: dS of the raw score is dS of the capped
     // one times it.
@@ -580,33 +574,56 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     let scale2 = scale * core::f32::consts::LOG2_E;
     let (_row, first_col) = T::score_position(0usize, cfg);
     let stats_at = smem_anchor(stats_base + first_col);
-    #[unroll]
-    for reg in 0..cfg.score_regs() {
-        let slot = comptime!(cfg.score_slot(reg));
-        let (_row, col) = T::score_position(reg, cfg);
-        let (row_lse, row_delta) = if comptime!(owns_keys) {
-            let at = stats_at + (col - first_col);
-            (
-                stats[at] * core::f32::consts::LOG2_E,
-                stats[at + cfg.block_kv],
-            )
-        } else {
-            (owned_lse[slot], owned_delta[slot])
-        };
-        let mut p = exp2(probs[reg] * scale2 - row_lse, cfg.tile);
-        if comptime!(cfg.bias) {
-            // A bias of -inf can hide a whole row (lse -inf): exp(-inf + inf) is NaN, not 0.
-            p = select(row_lse >= f32::MIN, p, 0.0);
+
+    // P = exp(S − lse) and dS = P ∘ (dP − D): the same work in either order, which ptxas
+    // schedules and spills differently at 255 registers (`TileConfig::probs_before_dp`).
+    let value_cfg = comptime!(cfg.with_widths(cfg.value_dim, cfg.value_dim));
+    let mut grads = if comptime!(cfg.probs_before_dp()) {
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let slot = comptime!(cfg.score_slot(reg));
+            let (_row, col) = T::score_position(reg, cfg);
+            let row_lse = if comptime!(owns_keys) {
+                stats[stats_at + (col - first_col)] * core::f32::consts::LOG2_E
+            } else {
+                owned_lse[slot]
+            };
+            probs[reg] = prob_of(probs[reg], row_lse, scale2, cfg);
         }
-        if comptime!(cfg.dropout) {
-            let kept = select(keep[reg], span.dropout.scale, 0.0);
-            probs[reg] = p * kept;
-            grads[reg] = p * (grads[reg] * kept - row_delta);
-        } else {
-            probs[reg] = p;
-            grads[reg] = p * (grads[reg] - row_delta);
+        let mut grads = T::scores(second_owned, second_stages, second_base, value_cfg);
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let slot = comptime!(cfg.score_slot(reg));
+            let (_row, col) = T::score_position(reg, cfg);
+            let row_delta = if comptime!(owns_keys) {
+                stats[stats_at + (col - first_col) + cfg.block_kv]
+            } else {
+                owned_delta[slot]
+            };
+            let p = probs[reg];
+            grad_of(p, row_delta, &mut probs, &mut grads, reg, &keep, span, cfg);
         }
-    }
+        grads
+    } else {
+        let mut grads = T::scores(second_owned, second_stages, second_base, value_cfg);
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            let slot = comptime!(cfg.score_slot(reg));
+            let (_row, col) = T::score_position(reg, cfg);
+            let (row_lse, row_delta) = if comptime!(owns_keys) {
+                let at = stats_at + (col - first_col);
+                (
+                    stats[at] * core::f32::consts::LOG2_E,
+                    stats[at + cfg.block_kv],
+                )
+            } else {
+                (owned_lse[slot], owned_delta[slot])
+            };
+            let p = prob_of(probs[reg], row_lse, scale2, cfg);
+            grad_of(p, row_delta, &mut probs, &mut grads, reg, &keep, span, cfg);
+        }
+        grads
+    };
 
     let q_rows = comptime!(if owns_keys { cfg.block_kv } else { cfg.block_q });
     let kv_rows = comptime!(if owns_keys { cfg.block_q } else { cfg.block_kv });
@@ -677,5 +694,42 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             span.band.seq_q,
             comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim)),
         );
+    }
+}
+
+/// `P = exp(scale · s − lse)` of one raw score `s`, with `scale2 = scale · log2(e)` and the
+/// log-sum-exp in base 2.
+#[cube]
+fn prob_of(score: f32, row_lse: f32, scale2: f32, #[comptime] cfg: TileConfig) -> f32 {
+    let p = exp2(score * scale2 - row_lse, cfg.tile);
+    if comptime!(cfg.bias) {
+        // A bias of -inf can hide a whole row (lse -inf): exp(-inf + inf) is NaN, not 0.
+        select(row_lse >= f32::MIN, p, 0.0)
+    } else {
+        p
+    }
+}
+
+/// Register `reg`'s `dS = p ∘ (dP − D)` into `grads` (which holds dP) and `p` into `probs`;
+/// with dropout, `dS = p ∘ (dP ∘ Z − D)` and `probs` takes the dropped and rescaled `p ∘ Z`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn grad_of(
+    p: f32,
+    row_delta: f32,
+    probs: &mut Array<f32>,
+    grads: &mut Array<f32>,
+    #[comptime] reg: usize,
+    keep: &Array<bool>,
+    span: Span,
+    #[comptime] cfg: TileConfig,
+) {
+    if comptime!(cfg.dropout) {
+        let kept = select(keep[reg], span.dropout.scale, 0.0);
+        probs[reg] = p * kept;
+        grads[reg] = p * (grads[reg] * kept - row_delta);
+    } else {
+        probs[reg] = p;
+        grads[reg] = p * (grads[reg] - row_delta);
     }
 }
