@@ -27,7 +27,7 @@ use burn_flash::{
     FlashAttentionBackend, FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention,
     flash_attention_plan,
 };
-use common::cuda::{cuda_device, has_tensor_cores};
+use common::cuda::{cuda_device, has_tensor_cores, has_tma};
 use common::{
     Error, Inputs, Problem, Spec, error, random_normal, reference_grads, round_to,
     tensor_from_host, to_host, unfused_grads, unit_roundoff,
@@ -163,6 +163,42 @@ fn judge_all(
     failures
 }
 
+/// Judge each of `fused` (dq, dk, dv of one run on `inputs` and `upstream`) against the f64
+/// reference gradients of `problem` and the unfused baseline ([`judge_all`]).
+fn judge_problem<const RUNS: usize>(
+    label: &str,
+    dtype: DType,
+    problem: &Problem,
+    spec: Spec,
+    inputs: &Inputs,
+    upstream: &[f32],
+    fused: [&[Vec<f64>; 3]; RUNS],
+) -> Vec<String> {
+    let widen = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
+    let (rq, rk, rv) = reference_grads(
+        problem,
+        &widen(&inputs.q),
+        &widen(&inputs.k),
+        &widen(&inputs.v),
+        &widen(upstream),
+        spec,
+        None,
+    );
+    let (bq, bk, bv) = unfused_grads(inputs, upstream, spec, None);
+    let mut failures = Vec::new();
+    for (run, [dq, dk, dv]) in fused.into_iter().enumerate() {
+        failures.extend(judge_all(
+            &format!("{label} run {run}"),
+            dtype,
+            [dq, dk, dv],
+            [&bq, &bk, &bv],
+            [&rq, &rk, &rv],
+            [problem.head_dim, problem.head_dim, problem.value_dim],
+        ));
+    }
+    failures
+}
+
 /// Small and odd shapes, plain and causal, at every tensor-core head dim, then the features at
 /// tensor-core sizes.
 fn small_problems() -> Vec<(Problem, Spec)> {
@@ -223,25 +259,15 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice> + AutodiffBackend>(
                 continue;
             }
         };
-        let widen = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
-        let (rq, rk, rv) = reference_grads(
-            &problem,
-            &widen(&inputs.q),
-            &widen(&inputs.k),
-            &widen(&inputs.v),
-            &widen(&upstream),
-            spec,
-            None,
-        );
-        let (bq, bk, bv) = unfused_grads(&inputs, &upstream, spec, None);
         eprintln!("{label}: call {:.2?}", started.elapsed());
-        failures.extend(judge_all(
+        failures.extend(judge_problem(
             &label,
             dtype,
-            [&dq, &dk, &dv],
-            [&bq, &bk, &bv],
-            [&rq, &rk, &rv],
-            [problem.head_dim, problem.head_dim, problem.value_dim],
+            &problem,
+            spec,
+            &inputs,
+            &upstream,
+            [&[dq, dk, dv]],
         ));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -301,6 +327,86 @@ fn deterministic_backward_repeats_bitwise() {
         "atomic dQ: {differing} of {} elements differ from the deterministic dQ",
         first[0].len()
     );
+}
+
+/// Head dim 64's dK/dV launch stages Q and dO by tensor maps where the GPU has the copy engine
+/// (SM90 and newer), by per-unit copies elsewhere or under `testing::avoid_tma`. Both stage the
+/// same bytes, so on ragged lengths, GQA and the causal mask the deterministic backward's
+/// gradients are the same bits either way; the atomic dQ's, staged by maps, are judged against
+/// the f64 reference. Without the copy engine both runs take the copies.
+#[test]
+fn tma_staging_matches_copies() {
+    type B = Autodiff<Cuda<half::bf16>>;
+    let Some(device) = cuda_device("tma_staging_matches_copies") else {
+        return;
+    };
+    burn_flash::testing::poison_outputs(true);
+    let dtype = DType::BF16;
+    let expect = expected_tile(&device, dtype);
+    let maps_expected = has_tma(&device) && expect == TilePath::TensorCore;
+    let gqa = Problem {
+        kv_heads: 2,
+        ..Problem::cross(2, 4, 200, 333, 64)
+    };
+    let mut failures = Vec::new();
+    for (index, problem) in [gqa, Problem::square(1, 2, 129, 64)]
+        .into_iter()
+        .enumerate()
+    {
+        for causal in [false, true] {
+            let spec = Spec::from(causal);
+            let seed = 900 + 2 * index as u64 + causal as u64;
+            let label = format!("{problem} {spec} seed {seed}");
+            let inputs = Inputs::random(problem, dtype, seed);
+            let upstream = random_normal(problem.out_dims().iter().product(), seed ^ 0x5EED, dtype);
+            let run = |deterministic: bool| {
+                let grads = fused_grads::<B>(
+                    &device,
+                    &label,
+                    inputs.to_device::<B>(&device),
+                    tensor_from_host::<B>(&upstream, problem.out_dims(), dtype, &device),
+                    spec,
+                    expect,
+                    deterministic,
+                )
+                .unwrap_or_else(|why| panic!("{why}"));
+                grads.map(to_host)
+            };
+            let before = burn_flash::testing::tma_launches();
+            let mapped = run(true);
+            let atomic = run(false);
+            let by_maps = burn_flash::testing::tma_launches() - before;
+            let copied = {
+                let _copies = burn_flash::testing::avoid_tma();
+                run(true)
+            };
+            println!("{label}: {by_maps} of 2 dK/dV launches staged by tensor maps");
+            if maps_expected && by_maps < 2 {
+                failures.push(format!(
+                    "{label}: {by_maps} of 2 launches staged by tensor maps"
+                ));
+            }
+            let bits = |g: &[Vec<f64>; 3]| {
+                g.each_ref()
+                    .map(|g| g.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            };
+            if bits(&mapped) != bits(&copied) {
+                failures.push(format!(
+                    "{label}: gradients staged by maps differ from copies"
+                ));
+            }
+            failures.extend(judge_problem(
+                &label,
+                dtype,
+                &problem,
+                spec,
+                &inputs,
+                &upstream,
+                [&mapped, &atomic],
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// FlashAttention-2 benchmark shapes (16k tokens, hidden 2048) at n = 2048, bf16, against Burn's

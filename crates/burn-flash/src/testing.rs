@@ -82,3 +82,55 @@ pub(crate) fn record_dq_launch(atomic: bool) {
     let counter = if atomic { &ATOMIC_DQ } else { &SEPARATE_DQ };
     counter.fetch_add(1, Ordering::Relaxed);
 }
+
+static AVOIDED_TMA: AtomicUsize = AtomicUsize::new(0);
+
+/// While the returned guard lives, the backward stages its blocks by per-unit asynchronous copies
+/// even where it would use tensor maps (SM90 and newer, head dim 64), so that tests cover on
+/// such a GPU the path older ones take. Guards nest and may live on several threads at once.
+///
+/// # Example
+///
+/// ```
+/// let copies = burn_flash::testing::avoid_tma();
+/// // ... run backwards ...
+/// drop(copies);
+/// ```
+#[must_use = "tensor maps are avoided only while the guard lives"]
+pub fn avoid_tma() -> AvoidedTma {
+    AVOIDED_TMA.fetch_add(1, Ordering::SeqCst);
+    AvoidedTma(())
+}
+
+/// Guard of [`avoid_tma`].
+pub struct AvoidedTma(());
+
+impl Drop for AvoidedTma {
+    fn drop(&mut self) {
+        AVOIDED_TMA.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Whether some [`avoid_tma`] guard lives; read by the backward launcher.
+pub(crate) fn tma_avoided() -> bool {
+    AVOIDED_TMA.load(Ordering::SeqCst) > 0
+}
+
+static TMA_STAGED: AtomicUsize = AtomicUsize::new(0);
+
+/// How many dK/dV launches of this process have staged their blocks by tensor maps, so tests
+/// can tell that the path ran.
+///
+/// # Example
+///
+/// ```
+/// assert_eq!(burn_flash::testing::tma_launches(), 0); // no backward ran yet
+/// ```
+pub fn tma_launches() -> usize {
+    TMA_STAGED.load(Ordering::Relaxed)
+}
+
+/// Counts one dK/dV launch staged by tensor maps for [`tma_launches`].
+pub(crate) fn record_tma_launch() {
+    TMA_STAGED.fetch_add(1, Ordering::Relaxed);
+}

@@ -44,3 +44,12 @@ pub fn has_tensor_cores(device: &CudaDevice, dtype: DType) -> bool {
     };
     features.matmul.mma.contains(&mma) && features.copy_async
 }
+
+/// Whether this device has the tensor memory accelerator (SM90 and newer), by which the head dim
+/// 64 backward stages its blocks.
+pub fn has_tma(device: &CudaDevice) -> bool {
+    use cubecl::Runtime;
+    use cubecl::features::Tma;
+    let client = cubecl::cuda::CudaRuntime::client(device);
+    client.properties().features.tma.contains(Tma::Base)
+}

@@ -24,6 +24,12 @@ pub const CHUNK: usize = 8;
 /// head dim 128 forward then ran up to 12 % slower in that process (`docs/perf-notes.md`,
 /// seventeenth session). 128 makes every layout line-aligned.
 pub const SMEM_ALIGN: usize = 128;
+/// Byte alignment of the stages a tensor map fills ([`TileConfig::tma`]): its 128-byte swizzle
+/// takes a row's key from the address bits above the 128-byte line, so a stage must start on a
+/// 1024-byte boundary for that key to be the row's index mod 8, as [`stage_offset`] reads it.
+///
+/// [`stage_offset`]: super::stage::stage_offset
+pub const TMA_ALIGN: usize = 1024;
 
 /// The widest range, in powers of two, that probabilities may span below 1 when the forward
 /// subtracts a fixed bound instead of the row max ([`TileConfig::with_bounded_max`]): at least
@@ -81,6 +87,11 @@ pub struct TileConfig {
     /// `block_q × block_kv` scratch tile on the tensor-core tile to transpose dS, which a split
     /// shares with its exchange).
     pub atomic_dq: bool,
+    /// The backward's staged blocks arrive by the tensor memory accelerator (SM90 and newer):
+    /// one unit issues a 2-D tile copy per operand and stage, which the copy engine swizzles
+    /// and zero-fills past the sequence, instead of every unit forming the addresses and bound
+    /// tests of its 16-byte copies ([`can_stage_by_tma`](Self::can_stage_by_tma)).
+    pub tma: bool,
     /// Which score inputs the tensor-core forward stages in shared memory.
     pub staged: Staged,
     /// The grid steps through batches before heads ([`grid`](super::grid)).
@@ -178,6 +189,7 @@ impl TileConfig {
             dropout: false,
             alibi: false,
             atomic_dq: false,
+            tma: false,
             staged: Staged::default(),
             batch_inner: false,
         }
@@ -204,6 +216,7 @@ impl TileConfig {
             dropout: false,
             alibi: false,
             atomic_dq: false,
+            tma: false,
             staged: Staged::default(),
             batch_inner: false,
         }
@@ -249,6 +262,30 @@ impl TileConfig {
     /// own launch.
     pub fn with_atomic_dq(self, atomic_dq: bool) -> Self {
         Self { atomic_dq, ..self }
+    }
+
+    /// These blocks with the backward's staged blocks copied by tensor maps ([`tma`](Self::tma)).
+    pub fn with_tma(self) -> Self {
+        assert!(
+            self.can_stage_by_tma(),
+            "no tensor-map staging for {self:?}"
+        );
+        Self { tma: true, ..self }
+    }
+
+    /// Whether [`with_tma`](Self::with_tma) accepts these blocks: the tensor-core tile with
+    /// staged rows of 64 16-bit elements on both operands. A row is then one 128-byte line,
+    /// and the copy engine's 128-byte swizzle places its chunks where [`stage_offset`] reads
+    /// them; wider rows are swizzled within each 128 bytes by the engine, not by row.
+    ///
+    /// [`stage_offset`]: super::stage::stage_offset
+    pub fn can_stage_by_tma(&self) -> bool {
+        self.tile == TilePath::TensorCore
+            && self.head_dim == 64
+            && self.value_dim == 64
+            && self.head_stride() == 64
+            && self.value_stride() == 64
+            && self.block_kv <= 256
     }
 
     /// These blocks with the owned operands read from shared memory per staged block at every
@@ -601,9 +638,12 @@ impl TileConfig {
         } else {
             0
         };
+        // Tensor-map stages start on their own boundary: at most that much padding before each.
+        let padding = if self.tma { 2 * TMA_ALIGN } else { 0 };
         self.shared_bytes(elem_size)
             + (second + self.scratch_elems()) * elem_size
             + (self.stats_elems() + self.dq_stage_elems()) * 4
+            + padding
     }
 
     /// f32 elements of the backward's staged query statistics (log-sum-exp and D per staged

@@ -226,6 +226,76 @@ pub fn fetch_stage<E: Float>(
     );
 }
 
+/// [`fetch_stage`] by tensor maps ([`TileConfig::tma`]): rows `[first_row, first_row +
+/// cfg.block_kv)` of head `head` of batch `batch` of `first` and `second` (maps of `[b, h, seq,
+/// 64]` tensors with `cfg.block_kv × 64` boxes and the 128-byte swizzle) into stage `stage`,
+/// completing on that stage's barrier. Unit 0 issues both copies and adds their bytes to the
+/// barrier's expected transactions before its own arrival, so the stage cannot complete
+/// without them; rows past the sequence arrive as zeros.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn fetch_stage_tma<E: Float>(
+    first: &TensorMap<E, Tiled>,
+    second: &TensorMap<E, Tiled>,
+    batch: usize,
+    head: usize,
+    first_row: usize,
+    first_stages: &mut SharedMemory<E>,
+    second_stages: &mut SharedMemory<E>,
+    stage: usize,
+    barriers: &StageBarriers,
+    #[comptime] cfg: TileConfig,
+) {
+    if UNIT_POS == 0 {
+        let first_len = comptime!(cfg.block_kv * cfg.head_stride());
+        let second_len = comptime!(cfg.block_kv * cfg.value_stride());
+        let size = E::type_size();
+        let bytes = comptime!((first_len + second_len) * size) as u32;
+        let mut first_dst = first_stages.slice_mut(stage * first_len, (stage + 1) * first_len);
+        let mut second_dst = second_stages.slice_mut(stage * second_len, (stage + 1) * second_len);
+        let at = (batch as i32, head as i32, first_row as i32);
+        if stage == 0 {
+            load_maps(
+                &barriers.first,
+                first,
+                second,
+                &mut first_dst,
+                &mut second_dst,
+                at,
+                bytes,
+            );
+        } else {
+            load_maps(
+                &barriers.second,
+                first,
+                second,
+                &mut first_dst,
+                &mut second_dst,
+                at,
+                bytes,
+            );
+        }
+    }
+}
+
+/// Expect `bytes` on `barrier`, then copy the boxes of `first` and `second` at (batch, head,
+/// row) `at` into `first_dst` and `second_dst`, completing on it.
+#[cube]
+fn load_maps<E: Float>(
+    barrier: &Barrier,
+    first: &TensorMap<E, Tiled>,
+    second: &TensorMap<E, Tiled>,
+    first_dst: &mut SliceMut<E>,
+    second_dst: &mut SliceMut<E>,
+    at: (i32, i32, i32),
+    bytes: u32,
+) {
+    let (batch, head, row) = at;
+    barrier.expect_tx(bytes);
+    barrier.tma_load_4d(first, first_dst, batch, head, row, 0);
+    barrier.tma_load_4d(second, second_dst, batch, head, row, 0);
+}
+
 /// Offset of element (`row`, `col`) in a staged block of a score input (`cfg.block_kv` elements
 /// per row, `chunk` per 16 bytes). The 16-byte chunks are XOR-swizzled so that the eight rows of
 /// one accumulator read start in distinct bank groups: by `row % 8` where a row spans a

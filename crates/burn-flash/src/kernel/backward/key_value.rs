@@ -4,6 +4,7 @@
 //! reduced dK/dV with no atomics and no per-query-head copy. Given a dQ accumulator
 //! (`[b, h, seq_q, head_dim]` f32, contiguous, zeroed, read as vectors of `N`), it also adds
 //! each staged query block's `dS·K` to it with atomics, so no separate dQ launch is needed.
+//! With `cfg.tma`, `q_map` and `d_out_map` are tensor maps of `q` and `d_out` that stage them.
 
 use cubecl::prelude::*;
 
@@ -29,6 +30,8 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     mask: &ComptimeOption<Tensor<M>>,
     bias: &ComptimeOption<Tensor<E>>,
     d_out: &Tensor<E>,
+    q_map: &ComptimeOption<TensorMap<E, Tiled>>,
+    d_out_map: &ComptimeOption<TensorMap<E, Tiled>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     d_k: &mut Tensor<E>,
@@ -119,6 +122,8 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         &values,
         q,
         d_out,
+        q_map,
+        d_out_map,
         mask,
         bias,
         &mut no_bias_grad,

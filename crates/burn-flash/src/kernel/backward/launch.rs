@@ -6,7 +6,7 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
-use cubecl::ir::features::AtomicUsage;
+use cubecl::ir::features::{AtomicUsage, Tma};
 use cubecl::ir::{ElemType, FloatKind, Type};
 use cubecl::prelude::*;
 
@@ -216,6 +216,37 @@ fn dq_vector_width<R: CubeRuntime>(client: &ComputeClient<R>, cfg: &TileConfig) 
     }
 }
 
+/// Whether the dK/dV launch with blocks `cfg` stages `staged` (Q and dO) by tensor maps
+/// ([`TileConfig::tma`]): the runtime has the copy engine (CUDA from SM90), the blocks allow it,
+/// and each tensor's start and strides are whole 16-byte units, as a tensor map needs.
+/// Otherwise every unit issues its 16-byte copies, as while a
+/// [`avoid_tma`](crate::testing::avoid_tma) guard lives or with `BURN_FLASH_TMA=0` (tuning
+/// runs).
+fn tma_staging<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    cfg: &TileConfig,
+    staged: &[&CubeTensor<R>],
+) -> bool {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    let wanted = OVERRIDE
+        .get_or_init(|| flag_override("BURN_FLASH_TMA"))
+        .unwrap_or(true);
+    let aligned = |t: &&CubeTensor<R>| {
+        let size = t.dtype.size();
+        let strides = t.meta.strides();
+        t.handle.offset_start.unwrap_or(0).is_multiple_of(16)
+            && strides[strides.len() - 1] == 1
+            && strides
+                .iter()
+                .all(|s| (s * size).is_multiple_of(16) || *s == 1)
+    };
+    wanted
+        && !crate::testing::tma_avoided()
+        && client.properties().features.tma.contains(Tma::Base)
+        && cfg.can_stage_by_tma()
+        && staged.iter().all(aligned)
+}
+
 /// The [`WalkDims`](super::walk::WalkDims) of a launch over queries `q` and keys `k` that
 /// stages `first` and `second`, with statistics `stats` (`[b, h, seq_q]`).
 fn walk_dims<R: CubeRuntime>(
@@ -324,6 +355,12 @@ pub fn backward<R: CubeRuntime>(
         Some(atomic) => atomic.with_atomic_dq(true),
         None => blocks(false),
     };
+    let cfg = if tma_staging(&client, &cfg, &[&q, &d_out]) {
+        crate::testing::record_tma_launch();
+        cfg.with_tma()
+    } else {
+        cfg
+    };
     crate::testing::record_dq_launch(cfg.atomic_dq);
     // The atomic dQ's f32 accumulator, contiguous and zeroed (see `key_value`).
     let accum = cfg.atomic_dq.then(|| {
@@ -347,6 +384,16 @@ pub fn backward<R: CubeRuntime>(
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
     let alibi_pow2 = params.alibi_pow2.unwrap_or(1);
     let key_value_dims = walk_dims(&q, &k, &q, &d_out, &lse);
+    // Tensor maps of Q and dO, one block of staged rows per copy (`cfg.tma`).
+    let staged_map = |t: &CubeTensor<R>| {
+        let tile = Shape::new([1, 1, cfg.block_kv, cfg.head_dim]);
+        let map = TensorMapArg::new(TiledArgs::new(tile), t.clone().into_tensor_arg(), elem)
+            .with_swizzle(TensorMapSwizzle::B128);
+        match cfg.tma {
+            true => ComptimeOptionArgs::Some(map),
+            false => ComptimeOptionArgs::None,
+        }
+    };
     let query_dims = walk_dims(&q, &k, &k, &v, &lse);
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernels form is
@@ -394,6 +441,8 @@ pub fn backward<R: CubeRuntime>(
                         inputs.mask_arg().into(),
                         inputs.bias_arg().into(),
                         d_out.clone().into_tensor_arg(),
+                        staged_map(&q),
+                        staged_map(&d_out),
                         lse.clone().into_tensor_arg(),
                         delta.clone().into_tensor_arg(),
                         d_k.clone().into_tensor_arg(),

@@ -100,11 +100,16 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
         batch,
         first_head: head,
     };
+    // K and V of this launch are staged by plain asynchronous copies (`cfg.tma` is the dK/dV
+    // launch's).
+    let no_map = ComptimeOption::<TensorMap<E, Tiled>>::new_None();
     walk::<E, M, T, Const<1>>(
         &queries,
         &grads,
         k,
         v,
+        &no_map,
+        &no_map,
         mask,
         bias,
         d_bias,

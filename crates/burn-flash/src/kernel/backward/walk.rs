@@ -12,7 +12,7 @@
 use cubecl::prelude::*;
 
 use crate::kernel::TilePath;
-use crate::kernel::config::{SMEM_ALIGN, TileConfig};
+use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TileConfig};
 use crate::kernel::dropout::{Dropout, keep_mask};
 use crate::kernel::inputs::{
     Views, add_bias, alibi_slope, mask_input_allows, pair_of, write_bias_grad,
@@ -20,7 +20,7 @@ use crate::kernel::inputs::{
 use crate::kernel::mask::{Band, block_needs_mask, key_visible};
 use crate::kernel::softmax::{Softcap, exp2};
 use crate::kernel::stage::{
-    StageBarriers, copy_or_zero_fill, fetch_stage, load_block, smem_anchor,
+    StageBarriers, copy_or_zero_fill, fetch_stage, fetch_stage_tma, load_block, smem_anchor,
 };
 use crate::kernel::tile::AttentionTile;
 
@@ -233,8 +233,9 @@ fn load_stats(
 }
 
 /// Walk every (member, block) of `sweep` in one loop, so the pipeline runs on across members.
-/// Tensor-core tile: two stages filled by asynchronous copies, the next block in flight while
-/// one is computed; portable tile: one stage of plain loads.
+/// Tensor-core tile: two stages filled by asynchronous copies (by `first_map` and `second_map`,
+/// tensor maps of `first` and `second`, with `cfg.tma`), the next block in flight while one is
+/// computed; portable tile: one stage of plain loads.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
@@ -242,6 +243,8 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     second_owned: &T::Query,
     first: &Tensor<E>,
     second: &Tensor<E>,
+    first_map: &ComptimeOption<TensorMap<E, Tiled>>,
+    second_map: &ComptimeOption<TensorMap<E, Tiled>>,
     mask: &ComptimeOption<Tensor<M>>,
     bias: &ComptimeOption<Tensor<E>>,
     d_bias: &mut ComptimeOption<Tensor<E>>,
@@ -280,23 +283,31 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     let mut stats = SharedMemory::<f32>::new(stats_elems);
 
     if comptime!(cfg.tile == TilePath::TensorCore) {
+        let stage_align = comptime!(if cfg.tma { TMA_ALIGN } else { SMEM_ALIGN });
         let mut first_stages = SharedMemory::<E>::new_aligned(
             comptime!(2 * cfg.block_kv * cfg.head_stride()),
-            SMEM_ALIGN,
+            stage_align,
         );
         let mut second_stages = SharedMemory::<E>::new_aligned(
             comptime!(2 * cfg.block_kv * cfg.value_stride()),
-            SMEM_ALIGN,
+            stage_align,
         );
         let mut scratch = SharedMemory::<E>::new_aligned(cfg.scratch_elems(), SMEM_ALIGN);
         let mut staging = SharedMemory::<f32>::new_aligned(cfg.dq_stage_elems(), SMEM_ALIGN);
         let barriers = StageBarriers::new();
+        if comptime!(cfg.tma) {
+            // The copy engine completes on the barriers: their initialisation must be visible
+            // to it.
+            sync_async_proxy_shared();
+        }
         sync_cube();
         let (mut member, mut row) = sweep.start(cfg);
         if steps > 0 {
             fetch_step::<E>(
                 first,
                 second,
+                first_map,
+                second_map,
                 lse,
                 delta,
                 sweep,
@@ -320,6 +331,8 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
                 fetch_step::<E>(
                     first,
                     second,
+                    first_map,
+                    second_map,
                     lse,
                     delta,
                     sweep,
@@ -448,6 +461,8 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
 fn fetch_step<E: Float>(
     first: &Tensor<E>,
     second: &Tensor<E>,
+    first_map: &ComptimeOption<TensorMap<E, Tiled>>,
+    second_map: &ComptimeOption<TensorMap<E, Tiled>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     sweep: Sweep,
@@ -462,20 +477,38 @@ fn fetch_step<E: Float>(
     #[comptime] owns_keys: bool,
     #[comptime] cfg: TileConfig,
 ) {
-    fetch_stage::<E>(
-        first,
-        sweep.first_base + member * sweep.first_step,
-        sweep.first_row_stride,
-        second,
-        sweep.second_base + member * sweep.second_step,
-        sweep.second_row_stride,
-        row,
-        seq,
-        first_stages,
-        second_stages,
-        stage,
-        cfg,
-    );
+    #[comptime]
+    if let (ComptimeOption::Some(first_map), ComptimeOption::Some(second_map)) =
+        (first_map, second_map)
+    {
+        fetch_stage_tma::<E>(
+            first_map,
+            second_map,
+            sweep.batch,
+            sweep.first_head + member,
+            row,
+            first_stages,
+            second_stages,
+            stage,
+            barriers,
+            cfg,
+        );
+    } else {
+        fetch_stage::<E>(
+            first,
+            sweep.first_base + member * sweep.first_step,
+            sweep.first_row_stride,
+            second,
+            sweep.second_base + member * sweep.second_step,
+            sweep.second_row_stride,
+            row,
+            seq,
+            first_stages,
+            second_stages,
+            stage,
+            cfg,
+        );
+    }
     if comptime!(owns_keys) {
         fetch_stats(
             lse,
