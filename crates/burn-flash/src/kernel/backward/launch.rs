@@ -384,15 +384,13 @@ pub fn backward<R: CubeRuntime>(
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
     let alibi_pow2 = params.alibi_pow2.unwrap_or(1);
     let key_value_dims = walk_dims(&q, &k, &q, &d_out, &lse);
-    // Tensor maps of Q and dO, one block of staged rows per copy (`cfg.tma`).
+    // With `cfg.tma`, tensor maps of Q and dO whose box is one stage.
     let staged_map = |t: &CubeTensor<R>| {
         let tile = Shape::new([1, 1, cfg.block_kv, cfg.head_dim]);
-        let map = TensorMapArg::new(TiledArgs::new(tile), t.clone().into_tensor_arg(), elem)
-            .with_swizzle(TensorMapSwizzle::B128);
-        match cfg.tma {
-            true => ComptimeOptionArgs::Some(map),
-            false => ComptimeOptionArgs::None,
-        }
+        cfg.tma.then(|| {
+            TensorMapArg::new(TiledArgs::new(tile), t.clone().into_tensor_arg(), elem)
+                .with_swizzle(TensorMapSwizzle::B128)
+        })
     };
     let query_dims = walk_dims(&q, &k, &k, &v, &lse);
 
@@ -441,8 +439,8 @@ pub fn backward<R: CubeRuntime>(
                         inputs.mask_arg().into(),
                         inputs.bias_arg().into(),
                         d_out.clone().into_tensor_arg(),
-                        staged_map(&q),
-                        staged_map(&d_out),
+                        staged_map(&q).into(),
+                        staged_map(&d_out).into(),
                         lse.clone().into_tensor_arg(),
                         delta.clone().into_tensor_arg(),
                         d_k.clone().into_tensor_arg(),
