@@ -85,9 +85,10 @@ pub(crate) fn record_dq_launch(atomic: bool) {
 
 static AVOIDED_TMA: AtomicUsize = AtomicUsize::new(0);
 
-/// While the returned guard lives, the backward stages its blocks by per-unit asynchronous copies
-/// even where it would use tensor maps (SM90 and newer, head dim 64), so that tests cover on
-/// such a GPU the path older ones take. Guards nest and may live on several threads at once.
+/// While the returned guard lives, the forward and the backward stage their blocks by per-unit
+/// asynchronous copies even where they would use tensor maps (SM90 and newer, head dim 64), so
+/// that tests cover on such a GPU the path older ones take. Guards nest and may live on several
+/// threads at once.
 ///
 /// # Example
 ///
@@ -111,15 +112,15 @@ impl Drop for AvoidedTma {
     }
 }
 
-/// Whether some [`avoid_tma`] guard lives; read by the backward launcher.
+/// Whether some [`avoid_tma`] guard lives; read by the launchers.
 pub(crate) fn tma_avoided() -> bool {
     AVOIDED_TMA.load(Ordering::SeqCst) > 0
 }
 
 static TMA_STAGED: AtomicUsize = AtomicUsize::new(0);
 
-/// How many dK/dV launches of this process have staged their blocks by tensor maps, so tests
-/// can tell that the path ran.
+/// How many forward and dK/dV launches of this process have staged their blocks by tensor
+/// maps, so tests can tell that the path ran.
 ///
 /// # Example
 ///
@@ -130,7 +131,7 @@ pub fn tma_launches() -> usize {
     TMA_STAGED.load(Ordering::Relaxed)
 }
 
-/// Counts one dK/dV launch staged by tensor maps for [`tma_launches`].
+/// Counts one launch staged by tensor maps for [`tma_launches`].
 pub(crate) fn record_tma_launch() {
     TMA_STAGED.fetch_add(1, Ordering::Relaxed);
 }

@@ -87,10 +87,11 @@ pub struct TileConfig {
     /// `block_q × block_kv` scratch tile on the tensor-core tile to transpose dS, which a split
     /// shares with its exchange).
     pub atomic_dq: bool,
-    /// The backward's staged blocks arrive by the tensor memory accelerator (SM90 and newer):
-    /// one unit issues a 2-D tile copy per operand and stage, which the copy engine swizzles
-    /// and zero-fills past the sequence, instead of every unit forming the addresses and bound
-    /// tests of its 16-byte copies ([`can_stage_by_tma`](Self::can_stage_by_tma)).
+    /// The staged blocks (K and V in the forward, Q and dO in the dK/dV launch) arrive by the
+    /// tensor memory accelerator (SM90 and newer): one unit issues a tile copy per operand and
+    /// stage, which the copy engine swizzles and zero-fills past the sequence, instead of every
+    /// unit forming the addresses and bound tests of its 16-byte copies
+    /// ([`can_stage_by_tma`](Self::can_stage_by_tma)).
     pub tma: bool,
     /// Which score inputs the tensor-core forward stages in shared memory.
     pub staged: Staged,
@@ -264,7 +265,7 @@ impl TileConfig {
         Self { atomic_dq, ..self }
     }
 
-    /// These blocks with the backward's staged blocks copied by tensor maps ([`tma`](Self::tma)).
+    /// These blocks with their staged blocks copied by tensor maps ([`tma`](Self::tma)).
     pub fn with_tma(self) -> Self {
         assert!(
             self.can_stage_by_tma(),
@@ -625,8 +626,11 @@ impl TileConfig {
         } else {
             0
         };
+        // Tensor-map stages start on their own boundary: at most that much padding before each.
+        let padding = if self.tma { 2 * TMA_ALIGN } else { 0 };
         (query + stages * self.block_kv * (self.head_stride() + self.value_stride())) * elem_size
             + self.staged_bytes()
+            + padding
     }
 
     /// Bytes of shared memory one backward cube uses: the forward's, plus the second owned
@@ -638,12 +642,9 @@ impl TileConfig {
         } else {
             0
         };
-        // Tensor-map stages start on their own boundary: at most that much padding before each.
-        let padding = if self.tma { 2 * TMA_ALIGN } else { 0 };
         self.shared_bytes(elem_size)
             + (second + self.scratch_elems()) * elem_size
             + (self.stats_elems() + self.dq_stage_elems()) * 4
-            + padding
     }
 
     /// f32 elements of the backward's staged query statistics (log-sum-exp and D per staged

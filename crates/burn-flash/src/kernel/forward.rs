@@ -12,7 +12,7 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::TilePath;
-use super::config::{SMEM_ALIGN, TileConfig};
+use super::config::{SMEM_ALIGN, TMA_ALIGN, TileConfig};
 use super::dropout::{Dropout, keep_mask};
 use super::grid::{batch_and_head, row_block};
 use super::inputs::{
@@ -21,12 +21,15 @@ use super::inputs::{
 };
 use super::mask::{Band, apply_mask, kv_blocks};
 use super::softmax::{RowStats, Softcap, finish, init_stats, online_update, softcap_scores};
-use super::stage::{StageBarriers, fetch_stage, load_block};
+use super::stage::{StageBarriers, fetch_stage, fetch_stage_tma, load_block};
 use super::tile::AttentionTile;
 
 /// Where the cube reads and writes, and the lengths that bound it.
 #[derive(CubeType, Clone, Copy)]
 struct Coords {
+    batch: usize,
+    /// The key/value head this query head reads (GQA).
+    kv_head: usize,
     q_base: usize,
     k_base: usize,
     v_base: usize,
@@ -57,6 +60,8 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
+    k_map: &ComptimeOption<TensorMap<E, Tiled>>,
+    v_map: &ComptimeOption<TensorMap<E, Tiled>>,
     mask: &ComptimeOption<Tensor<M>>,
     hidden_blocks: &ComptimeOption<Tensor<u32>>,
     bias: &ComptimeOption<Tensor<E>>,
@@ -85,6 +90,8 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     );
     let block = row_block(cfg);
     let coords = Coords {
+        batch,
+        kv_head,
         q_base: batch * q.stride(0) + head * q.stride(1),
         k_base: batch * k.stride(0) + kv_head * k.stride(1),
         v_base: batch * v.stride(0) + kv_head * v.stride(1),
@@ -123,6 +130,8 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
             q,
             k,
             v,
+            k_map,
+            v_map,
             mask,
             hidden_blocks,
             bias,
@@ -286,7 +295,8 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     );
 }
 
-/// Blocks `[first, end)` through two shared-memory stages filled by asynchronous copies: block
+/// Blocks `[first, end)` through two shared-memory stages filled by asynchronous copies (K and V
+/// by `k_map` and `v_map` with `cfg.tma`): block
 /// `j + 1` (with its staged mask and bias blocks) is in flight while block `j` is computed. The
 /// query block loads while the first KV block is in flight; it is returned for the epilogue.
 /// Blocks a packed mask hides wholly from the query block are neither fetched nor computed;
@@ -297,6 +307,8 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
+    k_map: &ComptimeOption<TensorMap<E, Tiled>>,
+    v_map: &ComptimeOption<TensorMap<E, Tiled>>,
     mask: &ComptimeOption<Tensor<M>>,
     hidden_blocks: &ComptimeOption<Tensor<u32>>,
     bias: &ComptimeOption<Tensor<E>>,
@@ -308,11 +320,14 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     acc: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
 ) -> T::Query {
-    let mut keys =
-        SharedMemory::<E>::new_aligned(comptime!(2 * cfg.block_kv * cfg.head_stride()), SMEM_ALIGN);
+    let stage_align = comptime!(if cfg.tma { TMA_ALIGN } else { SMEM_ALIGN });
+    let mut keys = SharedMemory::<E>::new_aligned(
+        comptime!(2 * cfg.block_kv * cfg.head_stride()),
+        stage_align,
+    );
     let mut values = SharedMemory::<E>::new_aligned(
         comptime!(2 * cfg.block_kv * cfg.value_stride()),
-        SMEM_ALIGN,
+        stage_align,
     );
     let mut mask_stages = input_stages::<M>(cfg.staged.mask, cfg.mask_stage_len(), 2usize);
     let mut bias_stages = input_stages::<E>(
@@ -321,6 +336,10 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
         cfg.staged.bias_stages(),
     );
     let barriers = StageBarriers::new();
+    if comptime!(cfg.tma) {
+        // The copy engine completes on the barriers: their initialisation must be visible to it.
+        sync_async_proxy_shared();
+    }
     let bias_ready = single_bias_barrier(cfg);
     let bias_factor = &T::staged_factor(coords.inv_scale, cfg);
     sync_cube();
@@ -336,6 +355,8 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
         fetch_block::<E, M>(
             k,
             v,
+            k_map,
+            v_map,
             mask,
             bias,
             coords,
@@ -370,6 +391,8 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
             fetch_block::<E, M>(
                 k,
                 v,
+                k_map,
+                v_map,
                 mask,
                 bias,
                 coords,
@@ -416,6 +439,8 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
 fn fetch_block<E: Float, M: Int>(
     k: &Tensor<E>,
     v: &Tensor<E>,
+    k_map: &ComptimeOption<TensorMap<E, Tiled>>,
+    v_map: &ComptimeOption<TensorMap<E, Tiled>>,
     mask: &ComptimeOption<Tensor<M>>,
     bias: &ComptimeOption<Tensor<E>>,
     coords: Coords,
@@ -429,20 +454,36 @@ fn fetch_block<E: Float, M: Int>(
     #[comptime] cfg: TileConfig,
 ) {
     let kv_start = block * cfg.block_kv;
-    fetch_stage::<E>(
-        k,
-        coords.k_base,
-        k.stride(2),
-        v,
-        coords.v_base,
-        v.stride(2),
-        kv_start,
-        coords.band.seq_k,
-        keys,
-        values,
-        stage,
-        cfg,
-    );
+    #[comptime]
+    if let (ComptimeOption::Some(k_map), ComptimeOption::Some(v_map)) = (k_map, v_map) {
+        fetch_stage_tma::<E>(
+            k_map,
+            v_map,
+            coords.batch,
+            coords.kv_head,
+            kv_start,
+            keys,
+            values,
+            stage,
+            barriers,
+            cfg,
+        );
+    } else {
+        fetch_stage::<E>(
+            k,
+            coords.k_base,
+            k.stride(2),
+            v,
+            coords.v_base,
+            v.stride(2),
+            kv_start,
+            coords.band.seq_k,
+            keys,
+            values,
+            stage,
+            cfg,
+        );
+    }
     fetch_inputs::<E, M>(
         mask,
         bias,

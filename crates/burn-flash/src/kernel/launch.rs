@@ -6,7 +6,7 @@ use burn::tensor::{BoolStore, DType, Shape};
 use burn_cubecl::kernel::{bool_cast, into_contiguous};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
-use cubecl::features::{MmaConfig, Plane};
+use cubecl::features::{MmaConfig, Plane, Tma};
 use cubecl::prelude::*;
 use cubecl::tensor_vector_size_parallel;
 
@@ -208,6 +208,13 @@ pub fn forward<R: CubeRuntime>(
         None => cfg,
     };
     let cfg = cfg.with_batch_inner(batch_inner(&inputs, batch));
+    let cfg = if tma_staging(&client, &cfg, &[&k, &v]) {
+        crate::testing::record_tma_launch();
+        cfg.with_tma()
+    } else {
+        cfg
+    };
+    let (k_map, v_map) = (stage_map(&k, &cfg), stage_map(&v, &cfg));
     let cube_dim = cube_dim(&cfg);
     let cube_count = cube_count(&cfg, seq_q, heads, batch);
     // The score inputs can be the largest tensors of the launch (`[b, h, sq, sk]`).
@@ -229,6 +236,8 @@ pub fn forward<R: CubeRuntime>(
                 q.into_tensor_arg(),
                 k.into_tensor_arg(),
                 v.into_tensor_arg(),
+                k_map.into(),
+                v_map.into(),
                 inputs.mask_arg().into(),
                 hidden_blocks
                     .clone()
@@ -257,6 +266,8 @@ pub fn forward<R: CubeRuntime>(
                 q.into_tensor_arg(),
                 k.into_tensor_arg(),
                 v.into_tensor_arg(),
+                None.into(),
+                None.into(),
                 inputs.mask_arg().into(),
                 hidden_blocks
                     .clone()
@@ -280,6 +291,51 @@ pub fn forward<R: CubeRuntime>(
         }
     }
     (out, lse)
+}
+
+/// Whether a launch with blocks `cfg` stages `staged` (the tensors its stages copy: K and V in
+/// the forward, Q and dO in the dK/dV launch) by tensor maps ([`TileConfig::tma`]): the runtime
+/// has the copy engine (CUDA from SM90), the blocks allow it, and each tensor's start and
+/// strides are whole 16-byte units, as a tensor map needs. Otherwise every unit issues its
+/// 16-byte copies, as while a [`avoid_tma`](crate::testing::avoid_tma) guard lives or with
+/// `BURN_FLASH_TMA=0` (tuning runs).
+pub(crate) fn tma_staging<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    cfg: &TileConfig,
+    staged: &[&CubeTensor<R>],
+) -> bool {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    let wanted = OVERRIDE
+        .get_or_init(|| flag_override("BURN_FLASH_TMA"))
+        .unwrap_or(true);
+    let aligned = |t: &&CubeTensor<R>| {
+        let size = t.dtype.size();
+        let strides = t.meta.strides();
+        t.handle.offset_start.unwrap_or(0).is_multiple_of(16)
+            && strides[strides.len() - 1] == 1
+            && strides
+                .iter()
+                .all(|s| (s * size).is_multiple_of(16) || *s == 1)
+    };
+    wanted
+        && !crate::testing::tma_avoided()
+        && client.properties().features.tma.contains(Tma::Base)
+        && cfg.can_stage_by_tma()
+        && staged.iter().all(aligned)
+}
+
+/// With `cfg.tma`, a tensor map of `t` (`[b, h, seq, cfg.head_dim]`) whose box is one stage
+/// (`cfg.block_kv` rows) with the 128-byte swizzle the stages are read with.
+pub(crate) fn stage_map<R: CubeRuntime>(
+    t: &CubeTensor<R>,
+    cfg: &TileConfig,
+) -> Option<TensorMapArg<R, Tiled>> {
+    cfg.tma.then(|| {
+        let tile = Shape::new([1, 1, cfg.block_kv, cfg.head_dim]);
+        let elem: StorageType = t.dtype.into();
+        TensorMapArg::new(TiledArgs::new(tile), t.clone().into_tensor_arg(), elem)
+            .with_swizzle(TensorMapSwizzle::B128)
+    })
 }
 
 /// `cfg` with the score inputs it stages, and the inputs as the forward reads them: a per-pair

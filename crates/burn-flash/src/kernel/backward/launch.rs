@@ -6,7 +6,7 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
-use cubecl::ir::features::{AtomicUsage, Tma};
+use cubecl::ir::features::AtomicUsage;
 use cubecl::ir::{ElemType, FloatKind, Type};
 use cubecl::prelude::*;
 
@@ -19,7 +19,7 @@ use crate::kernel::config::{MMA_M, ScoreParams, TileConfig};
 use crate::kernel::grid::{batch_inner, cube_count};
 use crate::kernel::launch::{
     ScoreInputs, address_type, cube_dim, fill_tensor, fits_shared, flag_override, output,
-    shape_override, usable_tile, vector_width,
+    shape_override, stage_map, tma_staging, usable_tile, vector_width,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 
@@ -216,37 +216,6 @@ fn dq_vector_width<R: CubeRuntime>(client: &ComputeClient<R>, cfg: &TileConfig) 
     }
 }
 
-/// Whether the dK/dV launch with blocks `cfg` stages `staged` (Q and dO) by tensor maps
-/// ([`TileConfig::tma`]): the runtime has the copy engine (CUDA from SM90), the blocks allow it,
-/// and each tensor's start and strides are whole 16-byte units, as a tensor map needs.
-/// Otherwise every unit issues its 16-byte copies, as while a
-/// [`avoid_tma`](crate::testing::avoid_tma) guard lives or with `BURN_FLASH_TMA=0` (tuning
-/// runs).
-fn tma_staging<R: CubeRuntime>(
-    client: &ComputeClient<R>,
-    cfg: &TileConfig,
-    staged: &[&CubeTensor<R>],
-) -> bool {
-    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
-    let wanted = OVERRIDE
-        .get_or_init(|| flag_override("BURN_FLASH_TMA"))
-        .unwrap_or(true);
-    let aligned = |t: &&CubeTensor<R>| {
-        let size = t.dtype.size();
-        let strides = t.meta.strides();
-        t.handle.offset_start.unwrap_or(0).is_multiple_of(16)
-            && strides[strides.len() - 1] == 1
-            && strides
-                .iter()
-                .all(|s| (s * size).is_multiple_of(16) || *s == 1)
-    };
-    wanted
-        && !crate::testing::tma_avoided()
-        && client.properties().features.tma.contains(Tma::Base)
-        && cfg.can_stage_by_tma()
-        && staged.iter().all(aligned)
-}
-
 /// The [`WalkDims`](super::walk::WalkDims) of a launch over queries `q` and keys `k` that
 /// stages `first` and `second`, with statistics `stats` (`[b, h, seq_q]`).
 fn walk_dims<R: CubeRuntime>(
@@ -384,14 +353,6 @@ pub fn backward<R: CubeRuntime>(
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
     let alibi_pow2 = params.alibi_pow2.unwrap_or(1);
     let key_value_dims = walk_dims(&q, &k, &q, &d_out, &lse);
-    // With `cfg.tma`, tensor maps of Q and dO whose box is one stage.
-    let staged_map = |t: &CubeTensor<R>| {
-        let tile = Shape::new([1, 1, cfg.block_kv, cfg.head_dim]);
-        cfg.tma.then(|| {
-            TensorMapArg::new(TiledArgs::new(tile), t.clone().into_tensor_arg(), elem)
-                .with_swizzle(TensorMapSwizzle::B128)
-        })
-    };
     let query_dims = walk_dims(&q, &k, &k, &v, &lse);
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernels form is
@@ -439,8 +400,8 @@ pub fn backward<R: CubeRuntime>(
                         inputs.mask_arg().into(),
                         inputs.bias_arg().into(),
                         d_out.clone().into_tensor_arg(),
-                        staged_map(&q).into(),
-                        staged_map(&d_out).into(),
+                        stage_map(&q, &cfg).into(),
+                        stage_map(&d_out, &cfg).into(),
                         lse.clone().into_tensor_arg(),
                         delta.clone().into_tensor_arg(),
                         d_k.clone().into_tensor_arg(),
