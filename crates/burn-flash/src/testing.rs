@@ -40,22 +40,40 @@ static FORCED_ATOMIC_DQ: AtomicUsize = AtomicUsize::new(0);
 /// ```
 #[must_use = "the atomic dQ is forced only while the guard lives"]
 pub fn force_atomic_dq() -> ForcedAtomicDq {
-    FORCED_ATOMIC_DQ.fetch_add(1, Ordering::SeqCst);
-    ForcedAtomicDq(())
+    ForcedAtomicDq {
+        _held: Held::new(&FORCED_ATOMIC_DQ),
+    }
 }
 
 /// Guard of [`force_atomic_dq`].
-pub struct ForcedAtomicDq(());
-
-impl Drop for ForcedAtomicDq {
-    fn drop(&mut self) {
-        FORCED_ATOMIC_DQ.fetch_sub(1, Ordering::SeqCst);
-    }
+pub struct ForcedAtomicDq {
+    _held: Held,
 }
 
 /// Whether some [`force_atomic_dq`] guard lives; read by the backward launcher.
 pub(crate) fn atomic_dq_forced() -> bool {
-    FORCED_ATOMIC_DQ.load(Ordering::SeqCst) > 0
+    Held::any(&FORCED_ATOMIC_DQ)
+}
+
+/// One live guard counted in `count`, so that guards nest and may live on several threads.
+struct Held(&'static AtomicUsize);
+
+impl Held {
+    fn new(count: &'static AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count)
+    }
+
+    /// Whether some guard counted in `count` lives.
+    fn any(count: &AtomicUsize) -> bool {
+        count.load(Ordering::SeqCst) > 0
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 static ATOMIC_DQ: AtomicUsize = AtomicUsize::new(0);
@@ -94,27 +112,24 @@ static AVOIDED_TMA: AtomicUsize = AtomicUsize::new(0);
 ///
 /// ```
 /// let copies = burn_flash::testing::avoid_tma();
-/// // ... run backwards ...
+/// // ... run attention forwards and backwards ...
 /// drop(copies);
 /// ```
 #[must_use = "tensor maps are avoided only while the guard lives"]
 pub fn avoid_tma() -> AvoidedTma {
-    AVOIDED_TMA.fetch_add(1, Ordering::SeqCst);
-    AvoidedTma(())
+    AvoidedTma {
+        _held: Held::new(&AVOIDED_TMA),
+    }
 }
 
 /// Guard of [`avoid_tma`].
-pub struct AvoidedTma(());
-
-impl Drop for AvoidedTma {
-    fn drop(&mut self) {
-        AVOIDED_TMA.fetch_sub(1, Ordering::SeqCst);
-    }
+pub struct AvoidedTma {
+    _held: Held,
 }
 
 /// Whether some [`avoid_tma`] guard lives; read by the launchers.
 pub(crate) fn tma_avoided() -> bool {
-    AVOIDED_TMA.load(Ordering::SeqCst) > 0
+    Held::any(&AVOIDED_TMA)
 }
 
 static TMA_STAGED: AtomicUsize = AtomicUsize::new(0);
@@ -125,7 +140,7 @@ static TMA_STAGED: AtomicUsize = AtomicUsize::new(0);
 /// # Example
 ///
 /// ```
-/// assert_eq!(burn_flash::testing::tma_launches(), 0); // no backward ran yet
+/// assert_eq!(burn_flash::testing::tma_launches(), 0); // no attention ran yet
 /// ```
 pub fn tma_launches() -> usize {
     TMA_STAGED.load(Ordering::Relaxed)

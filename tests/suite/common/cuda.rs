@@ -45,8 +45,8 @@ pub fn has_tensor_cores(device: &CudaDevice, dtype: DType) -> bool {
     features.matmul.mma.contains(&mma) && features.copy_async
 }
 
-/// Whether this device has the tensor memory accelerator (SM90 and newer), by which the head dim
-/// 64 backward stages its blocks.
+/// Whether this device has the tensor memory accelerator (SM90 and newer), by which the forward
+/// and the dK/dV launch stage their blocks at head dim 64.
 pub fn has_tma(device: &CudaDevice) -> bool {
     use cubecl::Runtime;
     use cubecl::features::Tma;
