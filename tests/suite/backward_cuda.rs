@@ -329,12 +329,12 @@ fn deterministic_backward_repeats_bitwise() {
     );
 }
 
-/// At head dim 64 the forward stages K and V, and the dK/dV launch Q and dO, by tensor maps
-/// where the GPU has the copy engine (SM90 and newer), by per-unit copies elsewhere or under
-/// `testing::avoid_tma`. Both stage the same bytes, so on ragged lengths, GQA and the causal
-/// mask the deterministic training step's gradients are the same bits either way; the atomic
-/// dQ's, staged by maps, are judged against the f64 reference. Without the copy engine both
-/// runs take the copies.
+/// At head dims 64 and 128 the forward stages K and V, and the dK/dV launch Q and dO, by tensor
+/// maps where the GPU has the copy engine (SM90 and newer; 128-wide rows as two panels of 64
+/// columns), by per-unit copies elsewhere or under `testing::avoid_tma`. Both stage the same
+/// values, so on ragged lengths, GQA and the causal mask the deterministic training step's
+/// gradients are the same bits either way; the atomic dQ's, staged by maps, are judged against
+/// the f64 reference. Without the copy engine both runs take the copies.
 #[test]
 fn tma_staging_matches_copies() {
     type B = Autodiff<Cuda<half::bf16>>;
@@ -345,15 +345,13 @@ fn tma_staging_matches_copies() {
     let dtype = DType::BF16;
     let expect = expected_tile(&device, dtype);
     let maps_expected = has_tma(&device) && expect == TilePath::TensorCore;
-    let gqa = Problem {
+    let gqa = |head_dim| Problem {
         kv_heads: 2,
-        ..Problem::cross(2, 4, 200, 333, 64)
+        ..Problem::cross(2, 4, 200, 333, head_dim)
     };
+    let problems = [64, 128].map(|d| [gqa(d), Problem::square(1, 2, 129, d)]);
     let mut failures = Vec::new();
-    for (index, problem) in [gqa, Problem::square(1, 2, 129, 64)]
-        .into_iter()
-        .enumerate()
-    {
+    for (index, problem) in problems.into_iter().flatten().enumerate() {
         for causal in [false, true] {
             let spec = Spec::from(causal);
             let seed = 900 + 2 * index as u64 + causal as u64;

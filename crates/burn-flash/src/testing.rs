@@ -104,9 +104,9 @@ pub(crate) fn record_dq_launch(atomic: bool) {
 static AVOIDED_TMA: AtomicUsize = AtomicUsize::new(0);
 
 /// While the returned guard lives, the forward and the backward stage their blocks by per-unit
-/// asynchronous copies even where they would use tensor maps (SM90 and newer, head dim 64), so
-/// that tests cover on such a GPU the path older ones take. Guards nest and may live on several
-/// threads at once.
+/// asynchronous copies even where they would use tensor maps (SM90 and newer, head dims 64 and
+/// 128), so that tests cover on such a GPU the path older ones take. Guards nest and may live on
+/// several threads at once.
 ///
 /// # Example
 ///

@@ -8,6 +8,7 @@
 //! keys and stages queries.
 
 use super::TilePath;
+use super::stage::Pitch;
 
 /// Rows of one MMA tile (m16n8k16).
 pub const MMA_M: usize = 16;
@@ -275,18 +276,28 @@ impl TileConfig {
     }
 
     /// Whether [`with_tma`](Self::with_tma) accepts these blocks: the tensor-core tile with
-    /// staged rows of 64 16-bit elements on both operands. A row is then one 128-byte line,
-    /// and the copy engine's 128-byte swizzle places its chunks where [`stage_offset`] reads
-    /// them; wider rows are swizzled within each 128 bytes by the engine, not by row.
-    ///
-    /// [`stage_offset`]: super::stage::stage_offset
+    /// staged rows of 64 or 128 16-bit elements, the same on both operands. The copy engine's
+    /// 128-byte swizzle of a box of 64 columns is the stages' own chunk swizzle when a stage
+    /// starts on a 1024-byte boundary; wider rows are staged as panels of 64 columns, one box
+    /// each ([`staged_pitch`](Self::staged_pitch)).
     pub fn can_stage_by_tma(&self) -> bool {
         self.tile == TilePath::TensorCore
-            && self.head_dim == 64
-            && self.value_dim == 64
-            && self.head_stride() == 64
-            && self.value_stride() == 64
+            && matches!(self.head_dim, 64 | 128)
+            && self.value_dim == self.head_dim
+            && self.head_stride() == self.head_dim
+            && self.value_stride() == self.head_dim
             && self.block_kv <= 256
+    }
+
+    /// The layout of the staged blocks `width` wide (K and V in the forward, Q and dO in the
+    /// dK/dV launch, K and V in the dQ launch): whole rows, or with [`tma`](Self::tma) and rows
+    /// wider than 128 bytes, panels of 64 columns as the tensor maps write them.
+    pub fn staged_pitch(&self, width: usize) -> Pitch {
+        if self.tma && width > 8 * CHUNK {
+            Pitch::panels(self.block_kv)
+        } else {
+            Pitch::rows(width)
+        }
     }
 
     /// These blocks with the owned operands read from shared memory per staged block at every

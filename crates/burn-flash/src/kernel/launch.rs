@@ -11,7 +11,7 @@ use cubecl::prelude::*;
 use cubecl::tensor_vector_size_parallel;
 
 use super::TilePath;
-use super::config::{BiasAdd, ScoreParams, Staged, TileConfig};
+use super::config::{BiasAdd, CHUNK, ScoreParams, Staged, TileConfig};
 use super::forward::flash_forward;
 use super::grid::{batch_inner, cube_count};
 use super::pack::pack_mask;
@@ -324,14 +324,16 @@ pub(crate) fn tma_staging<R: CubeRuntime>(
         && staged.iter().all(aligned)
 }
 
-/// With `cfg.tma`, a tensor map of `t` (`[b, h, seq, cfg.head_dim]`) whose box is one stage
-/// (`cfg.block_kv` rows) with the 128-byte swizzle the stages are read with.
+/// With `cfg.tma`, a tensor map of `t` (`[b, h, seq, cfg.head_dim]`) whose box is one stage's
+/// rows (`cfg.block_kv`) by 64 columns, one 128-byte line each, with the 128-byte swizzle the
+/// stages are read with: one box per stage at head dim 64, one per panel of 64 columns wider
+/// ([`TileConfig::staged_pitch`]).
 pub(crate) fn stage_map<R: CubeRuntime>(
     t: &CubeTensor<R>,
     cfg: &TileConfig,
 ) -> Option<TensorMapArg<R, Tiled>> {
     cfg.tma.then(|| {
-        let tile = Shape::new([1, 1, cfg.block_kv, cfg.head_dim]);
+        let tile = Shape::new([1, 1, cfg.block_kv, 8 * CHUNK]);
         let elem: StorageType = t.dtype.into();
         TensorMapArg::new(TiledArgs::new(tile), t.clone().into_tensor_arg(), elem)
             .with_swizzle(TensorMapSwizzle::B128)

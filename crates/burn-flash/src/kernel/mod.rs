@@ -22,8 +22,8 @@ pub use launch::{ScoreInputs, forward, support};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TilePath {
     /// Tensor cores: `MmaDefinition` m16n8k16 tiles (`ldmatrix` + `mma.sync`), f16/bf16 inputs
-    /// with f32 accumulation, K/V staged by asynchronous copies (by tensor maps at head dim 64
-    /// from SM90). CUDA, SM80 and newer.
+    /// with f32 accumulation, K/V staged by asynchronous copies (by tensor maps at head dims 64
+    /// and 128 from SM90). CUDA, SM80 and newer.
     TensorCore,
     /// Portable register FMAs in f32, one unit per query row; any CubeCL runtime.
     Portable,

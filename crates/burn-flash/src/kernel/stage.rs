@@ -36,18 +36,49 @@ pub fn smem_anchor(index: usize) -> usize {
     index & comptime!((1usize << 17) - 1)
 }
 
-/// `base` plus [`stage_offset`] (swizzled) of row `row0 + lane_row`, 16-byte chunk
-/// `chunk0 + lane_chunk`, split into a part that depends on the lane and `base` only and a
-/// compile-time constant, so that every fragment read of an unrolled product costs one register
-/// plus an immediate offset instead of its own swizzle arithmetic. The per-lane part depends only
-/// on `chunk0 % 8`, so at most eight distinct values exist and the compiler computes each once
-/// per `base`.
+/// Where the 16-byte chunks of a swizzled block lie: `row` elements between consecutive rows
+/// and `group` between a row's consecutive groups of eight chunks (128 bytes). Within a group,
+/// chunk `c` of row `r` sits at `c ^ (r % 8)` either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Pitch {
+    pub row: usize,
+    pub group: usize,
+}
+
+impl Pitch {
+    /// Whole rows one after another, `width` elements apart ([`stage_offset`]'s layout).
+    pub fn rows(width: usize) -> Self {
+        Self {
+            row: width,
+            group: 8 * CHUNK,
+        }
+    }
+
+    /// Each 128-byte group of columns of `rows` rows as a panel of its own, rows 128 bytes
+    /// apart: what a tensor map's box of 64 16-bit columns with the 128-byte swizzle writes, one
+    /// box per panel.
+    pub fn panels(rows: usize) -> Self {
+        Self {
+            row: 8 * CHUNK,
+            group: rows * 8 * CHUNK,
+        }
+    }
+}
+
+/// `base` plus the offset under `pitch` of row `row0 + lane_row`, 16-byte chunk
+/// `chunk0 + lane_chunk` of a swizzled block, split into a part that depends on the lane and
+/// `base` only and a compile-time constant, so that every fragment read of an unrolled product
+/// costs one register plus an immediate offset instead of its own swizzle arithmetic. The
+/// per-lane part depends only on `chunk0 % 8`, so at most eight distinct values exist and the
+/// compiler computes each once per `base`.
 ///
 /// The per-lane part is a [`smem_anchor`], so the constant becomes the immediate offset.
 ///
 /// Requires `row0 % 8 == 0` (the row's swizzle key is then `lane_row % 8`), and `lane_chunk`
 /// below 8 with no bit in common with `chunk0 % 8` (their sum is then an XOR within one group of
-/// eight chunks); the callers' lane patterns satisfy both by construction.
+/// eight chunks); the callers' lane patterns satisfy both by construction, except the copies'
+/// into whole rows ([`Pitch::rows`]), whose lane chunks may reach later groups: those groups
+/// follow each other there.
 #[cube]
 pub fn swizzled_offset(
     base: usize,
@@ -55,11 +86,11 @@ pub fn swizzled_offset(
     lane_chunk: usize,
     #[comptime] row0: usize,
     #[comptime] chunk0: usize,
-    #[comptime] width: usize,
+    #[comptime] pitch: Pitch,
 ) -> usize {
     let key = (lane_chunk ^ (lane_row % 8)) ^ comptime!(chunk0 % 8);
-    smem_anchor(base + lane_row * width + key * CHUNK)
-        + comptime!(row0 * width + (chunk0 - chunk0 % 8) * CHUNK)
+    smem_anchor(base + lane_row * pitch.row + key * CHUNK)
+        + comptime!(row0 * pitch.row + chunk0 / 8 * pitch.group)
 }
 
 /// Issue asynchronous copies of rows `[first_row, first_row + rows)` of one head of `src`
@@ -100,7 +131,7 @@ pub fn copy_block_async<E: Float>(
                     lane_chunk,
                     comptime!(pass * pass_rows),
                     0usize,
-                    stride,
+                    comptime!(Pitch::rows(stride)),
                 )
             } else {
                 stage_base + stage_offset(row, lane_chunk * CHUNK, stride, true)
@@ -228,10 +259,11 @@ pub fn fetch_stage<E: Float>(
 
 /// [`fetch_stage`] by tensor maps ([`TileConfig::tma`]): rows `[first_row, first_row +
 /// cfg.block_kv)` of head `head` of batch `batch` of `first` and `second` (maps of `[b, h, seq,
-/// 64]` tensors with `cfg.block_kv × 64` boxes and the 128-byte swizzle) into stage `stage`,
-/// completing on that stage's barrier. Unit 0 issues both copies and adds their bytes to the
-/// barrier's expected transactions before its own arrival, so the stage cannot complete
-/// without them; rows past the sequence arrive as zeros.
+/// cfg.head_dim]` tensors with `cfg.block_kv × 64` boxes and the 128-byte swizzle) into stage
+/// `stage`, one box per 64 columns ([`TileConfig::staged_pitch`]'s panels where rows are wider),
+/// completing on that stage's barrier. Unit 0 issues every box and adds their bytes to the
+/// barrier's expected transactions before its own arrival, so the stage cannot complete without
+/// them; rows past the sequence arrive as zeros.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn fetch_stage_tma<E: Float>(
@@ -251,49 +283,66 @@ pub fn fetch_stage_tma<E: Float>(
         let second_len = comptime!(cfg.block_kv * cfg.value_stride());
         let size = E::type_size();
         let bytes = comptime!((first_len + second_len) * size) as u32;
-        let mut first_dst = first_stages.slice_mut(stage * first_len, (stage + 1) * first_len);
-        let mut second_dst = second_stages.slice_mut(stage * second_len, (stage + 1) * second_len);
         let at = (batch as i32, head as i32, first_row as i32);
+        let bases = (stage * first_len, stage * second_len);
         if stage == 0 {
             load_maps(
                 &barriers.first,
                 first,
                 second,
-                &mut first_dst,
-                &mut second_dst,
+                first_stages,
+                second_stages,
+                bases,
                 at,
                 bytes,
+                cfg,
             );
         } else {
             load_maps(
                 &barriers.second,
                 first,
                 second,
-                &mut first_dst,
-                &mut second_dst,
+                first_stages,
+                second_stages,
+                bases,
                 at,
                 bytes,
+                cfg,
             );
         }
     }
 }
 
 /// Expect `bytes` on `barrier`, then copy the boxes of `first` and `second` at (batch, head,
-/// row) `at` into `first_dst` and `second_dst`, completing on it.
+/// row) `at`, one per 64 columns, into the panels of the stages from `bases`, completing on it.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn load_maps<E: Float>(
     barrier: &Barrier,
     first: &TensorMap<E, Tiled>,
     second: &TensorMap<E, Tiled>,
-    first_dst: &mut SliceMut<E>,
-    second_dst: &mut SliceMut<E>,
+    first_stages: &mut SharedMemory<E>,
+    second_stages: &mut SharedMemory<E>,
+    bases: (usize, usize),
     at: (i32, i32, i32),
     bytes: u32,
+    #[comptime] cfg: TileConfig,
 ) {
     let (batch, head, row) = at;
+    let (first_base, second_base) = bases;
+    let cols = comptime!(8 * CHUNK);
+    let panel = comptime!(cfg.block_kv * cols);
     barrier.expect_tx(bytes);
-    barrier.tma_load_4d(first, first_dst, batch, head, row, 0);
-    barrier.tma_load_4d(second, second_dst, batch, head, row, 0);
+    #[unroll]
+    for p in 0..comptime!(cfg.head_dim / cols) {
+        let col = comptime!(p * cols) as i32;
+        let start = comptime!(p * panel);
+        let mut first_dst = first_stages.slice_mut(first_base + start, first_base + start + panel);
+        barrier.tma_load_4d(first, &mut first_dst, batch, head, row, col);
+        let mut second_dst =
+            second_stages.slice_mut(second_base + start, second_base + start + panel);
+        barrier.tma_load_4d(second, &mut second_dst, batch, head, row, col);
+    }
 }
 
 /// Offset of element (`row`, `col`) in a staged block of a score input (`cfg.block_kv` elements

@@ -14,7 +14,7 @@ use cubecl::prelude::*;
 
 use super::AttentionTile;
 use crate::kernel::config::{CHUNK, MMA_K, MMA_M, MMA_N, SMEM_ALIGN, TileConfig};
-use crate::kernel::stage::{copy_block_async, stage_offset, swizzled_offset};
+use crate::kernel::stage::{Pitch, copy_block_async, stage_offset, swizzled_offset};
 
 /// Two 16-bit values in one 32-bit register, or two f32 accumulators: the MMA register unit.
 type Pair<T> = Vector<T, Const<2>>;
@@ -108,7 +108,7 @@ fn write_tile<E: Float>(
                     part_chunk,
                     comptime!(first_row + m * MMA_M + half * 8),
                     n,
-                    width,
+                    comptime!(Pitch::rows(width)),
                 );
                 tile[at] = E::cast_from(regs[reg] * factor);
                 tile[at + 1] = E::cast_from(regs[comptime!(reg + 1)] * factor);
@@ -174,14 +174,18 @@ fn plane_part(#[comptime] cfg: TileConfig) -> usize {
     UNIT_POS_Y as usize % cfg.split
 }
 
-/// Where this plane's part of a split's columns starts, `cols` columns a part: an element offset
-/// of whole swizzle groups, added to a base, and a chunk within a group, joined to the lanes'
-/// chunks (`with_split` allows parts of 32 columns, half a group, which start at chunk 0 or 4,
-/// or whole groups).
+/// Where this plane's part of a split's columns starts in a block laid out by `pitch`, `cols`
+/// columns a part: an element offset of whole swizzle groups, added to a base, and a chunk
+/// within a group, joined to the lanes' chunks (`with_split` allows parts of 32 columns, half a
+/// group, which start at chunk 0 or 4, or whole groups).
 #[cube]
-fn part_start(#[comptime] cols: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {
+fn part_start(
+    #[comptime] cols: usize,
+    #[comptime] pitch: Pitch,
+    #[comptime] cfg: TileConfig,
+) -> (usize, usize) {
     let chunk = plane_part(cfg) * comptime!(cols / CHUNK);
-    (chunk / 8 * comptime!(8 * CHUNK), chunk % 8)
+    (chunk / 8 * pitch.group, chunk % 8)
 }
 
 /// The query block of a cube, staged in shared memory (swizzled like the K/V stages), and the
@@ -214,7 +218,7 @@ fn row_fragment<E: Float>(
         lane / 16usize,
         comptime!(first_row + m * MMA_M),
         comptime!(step * MMA_K / CHUNK),
-        width,
+        comptime!(Pitch::rows(width)),
     );
     definition::<E>().load_matrix::<E, Const<2>>(
         &stage.slice(at, at + CHUNK),
@@ -267,9 +271,9 @@ fn acc_block_position<E: Float>(
 }
 
 /// One 16-deep step of `acc += A · R`: `a` holds the A operands of `m_tiles` m16 blocks
-/// (4 registers each), `R` is rows `row0..row0 + 16` of the row-major, swizzled block at `base`
-/// in `rows` (rows `width` apart), columns `col0..col0 + cols`; `acc` holds `cols / 8` n-tiles per
-/// m16 block. `ldmatrix.x4.trans` on R: matrices (rows +0, cols +0), (+8, +0), (+0, +8),
+/// (4 registers each), `R` is rows `row0..row0 + 16` of the swizzled block at `base` in `rows`
+/// (laid out by `pitch`), columns `col0..col0 + cols`; `acc` holds `cols / 8` n-tiles per m16
+/// block. `ldmatrix.x4.trans` on R: matrices (rows +0, cols +0), (+8, +0), (+0, +8),
 /// (+8, +8) are the B operands of two n-tiles. `part_chunk` shifts the columns by that many
 /// chunks within a swizzle group (a split plane's part, [`part_start`]).
 #[cube]
@@ -283,7 +287,7 @@ fn rows_product<E: Float>(
     #[comptime] row0: usize,
     #[comptime] col0: usize,
     #[comptime] cols: usize,
-    #[comptime] width: usize,
+    #[comptime] pitch: Pitch,
     #[comptime] m_tiles: usize,
 ) {
     let def = definition::<E>();
@@ -299,7 +303,7 @@ fn rows_product<E: Float>(
             lane_chunk,
             row0,
             comptime!((col0 + tiles * 2 * MMA_N) / CHUNK),
-            width,
+            pitch,
         );
         let b = def.load_matrix::<E, Const<2>>(
             &rows.slice(at, at + CHUNK),
@@ -352,7 +356,8 @@ fn transposed_product<E: Float, N: Size>(
     let lane = UNIT_POS_X as usize;
     let plane_first = UNIT_POS_Y as usize / cfg.split * plane_rows;
     let part_col = plane_part(cfg) * part_cols;
-    let (part_base, part_chunk) = part_start(part_cols, cfg);
+    let owned_pitch = comptime!(Pitch::rows(cfg.head_stride()));
+    let (part_base, part_chunk) = part_start(part_cols, owned_pitch, cfg);
     // ldmatrix.x4.trans on G rows: lane l addresses owned row l / 16 · 8 + l % 8 at the 8 staged
     // columns (l / 8) % 2, giving the matrices (staged +0, owned +0), (+8, +0), (+0, +8),
     // (+8, +8): the A operand of one 16-deep step of Gᵀ.
@@ -376,7 +381,7 @@ fn transposed_product<E: Float, N: Size>(
                     (plane_first + comptime!(m * MMA_M)) / CHUNK + g_chunk,
                     comptime!(slot * cfg.block_q + step * MMA_K),
                     0usize,
-                    cfg.block_kv,
+                    comptime!(Pitch::rows(cfg.block_kv)),
                 );
                 let fragment = def.load_matrix::<E, Const<2>>(
                     &scratch.slice(at, at + CHUNK),
@@ -398,7 +403,7 @@ fn transposed_product<E: Float, N: Size>(
                 comptime!(step * MMA_K),
                 comptime!(part * chunk_cols),
                 chunk_cols,
-                comptime!(cfg.head_stride()),
+                owned_pitch,
                 m_tiles,
             );
         }
@@ -511,7 +516,8 @@ fn exchange_product<E: Float>(
     #[comptime] cfg: TileConfig,
 ) {
     let m_tiles = comptime!(cfg.m_tiles());
-    let (part_base, part_chunk) = part_start(cfg.out_cols(), cfg);
+    let pitch = comptime!(cfg.staged_pitch(cfg.value_stride()));
+    let (part_base, part_chunk) = part_start(cfg.out_cols(), pitch, cfg);
     let values_base = stage_base + part_base;
     #[unroll]
     for step in 0..cfg.block_kv / MMA_K {
@@ -540,7 +546,7 @@ fn exchange_product<E: Float>(
             comptime!(step * MMA_K),
             0usize,
             cfg.out_cols(),
-            comptime!(cfg.value_stride()),
+            pitch,
             m_tiles,
         );
     }
@@ -665,9 +671,9 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         let def = definition::<E>();
         let m_tiles = comptime!(cfg.m_tiles());
         let n_tiles = comptime!(cfg.score_cols() / MMA_N);
+        let pitch = comptime!(cfg.staged_pitch(cfg.head_stride()));
         // This plane's part of the staged rows: whole 8-row swizzle periods.
-        let stage_base =
-            stage_base + plane_part(cfg) * comptime!(cfg.score_cols() * cfg.head_stride());
+        let stage_base = stage_base + plane_part(cfg) * comptime!(cfg.score_cols() * pitch.row);
         let mut scores = Array::<f32>::new(cfg.score_regs());
         #[unroll]
         for reg in 0..cfg.score_regs() {
@@ -701,7 +707,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                     lane_chunk,
                     comptime!(tile * MMA_N),
                     comptime!(steps * 2 * MMA_K / CHUNK),
-                    comptime!(cfg.head_stride()),
+                    pitch,
                 );
                 let b = def.load_matrix::<E, Const<2>>(
                     &keys.slice(at, at + CHUNK),
@@ -761,7 +767,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                 comptime!(step * MMA_K),
                 0usize,
                 cfg.value_dim,
-                comptime!(cfg.value_stride()),
+                comptime!(cfg.staged_pitch(cfg.value_stride())),
                 m_tiles,
             );
         }
@@ -928,7 +934,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                     lane / 16usize,
                     comptime!(m * MMA_M),
                     comptime!(pair * 2),
-                    cfg.block_kv,
+                    comptime!(Pitch::rows(cfg.block_kv)),
                 );
                 let fragment = def.load_matrix::<E, Const<2>>(
                     &stage.slice(at, at + CHUNK),
