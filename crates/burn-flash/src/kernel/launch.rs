@@ -208,7 +208,8 @@ pub fn forward<R: CubeRuntime>(
         None => cfg,
     };
     let cfg = cfg.with_batch_inner(batch_inner(&inputs, batch));
-    let cfg = if tma_staging(&client, &cfg, &[&k, &v]) {
+    let forward_bytes = |cfg: &TileConfig| cfg.shared_bytes(q.dtype.size());
+    let cfg = if tma_staging(&client, &cfg, &[&k, &v], forward_bytes) {
         crate::testing::record_tma_launch();
         cfg.with_tma()
     } else {
@@ -295,14 +296,16 @@ pub fn forward<R: CubeRuntime>(
 
 /// Whether a launch with blocks `cfg` stages `staged` (the tensors its stages copy: K and V in
 /// the forward, Q and dO in the dK/dV launch) by tensor maps ([`TileConfig::tma`]): the runtime
-/// has the copy engine (CUDA from SM90), the blocks allow it, and each tensor's start and
-/// strides are whole 16-byte units, as a tensor map needs. Otherwise every unit issues its
-/// 16-byte copies, as while a [`avoid_tma`](crate::testing::avoid_tma) guard lives or with
-/// `BURN_FLASH_TMA=0` (tuning runs).
+/// has the copy engine (CUDA from SM90), the blocks allow it, each tensor's start and strides
+/// are whole 16-byte units, as a tensor map needs, and the cube's shared memory
+/// (`shared_bytes`) still fits with the stages' 1024-byte alignment. Otherwise every unit
+/// issues its 16-byte copies, as while a [`avoid_tma`](crate::testing::avoid_tma) guard lives
+/// or with `BURN_FLASH_TMA=0` (tuning runs).
 pub(crate) fn tma_staging<R: CubeRuntime>(
     client: &ComputeClient<R>,
     cfg: &TileConfig,
     staged: &[&CubeTensor<R>],
+    shared_bytes: impl Fn(&TileConfig) -> usize,
 ) -> bool {
     static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
     let wanted = OVERRIDE
@@ -322,6 +325,7 @@ pub(crate) fn tma_staging<R: CubeRuntime>(
         && client.properties().features.tma.contains(Tma::Base)
         && cfg.can_stage_by_tma()
         && staged.iter().all(aligned)
+        && fits_shared(client, "tensor-map staged", shared_bytes(&cfg.with_tma())).is_ok()
 }
 
 /// With `cfg.tma`, a tensor map of `t` (`[b, h, seq, cfg.head_dim]`) whose box is one stage's

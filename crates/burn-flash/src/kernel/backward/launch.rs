@@ -324,7 +324,8 @@ pub fn backward<R: CubeRuntime>(
         Some(atomic) => atomic.with_atomic_dq(true),
         None => blocks(false),
     };
-    let cfg = if tma_staging(&client, &cfg, &[&q, &d_out]) {
+    let backward_bytes = |cfg: &TileConfig| cfg.backward_shared_bytes(dtype.size());
+    let cfg = if tma_staging(&client, &cfg, &[&q, &d_out], backward_bytes) {
         crate::testing::record_tma_launch();
         cfg.with_tma()
     } else {
