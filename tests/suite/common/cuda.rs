@@ -46,7 +46,7 @@ pub fn has_tensor_cores(device: &CudaDevice, dtype: DType) -> bool {
 }
 
 /// Whether this device has the tensor memory accelerator (SM90 and newer), by which the forward
-/// and the dK/dV launch stage their blocks at head dim 64.
+/// and the dK/dV launch stage their blocks at head dims 64 and 128.
 pub fn has_tma(device: &CudaDevice) -> bool {
     use cubecl::Runtime;
     use cubecl::features::Tma;
