@@ -454,13 +454,22 @@ impl TileConfig {
     }
 
     /// Whether the backward takes `P = exp(S − lse)` before issuing dP's product, then
-    /// `dS = P ∘ (dP − D)` (head dims above 64), or issues both products first and forms `P`
-    /// and `dS` in one pass (64 and below). The same work, which ptxas schedules and spills
-    /// differently at 255 registers: on the H100 the first order measured up to 4 % faster at
-    /// head dim 128 and 1 % slower at 64 not causal, where it spills 16 accumulators
-    /// (`docs/perf-notes.md`, twenty-seventh session).
+    /// `dS = P ∘ (dP − D)` (head dims above 64, and the atomic dQ's single pass), or issues
+    /// both products first and forms `P` and `dS` in one pass (the other launches at 64 and
+    /// below). The same work, which ptxas schedules and spills differently at 255 registers: on
+    /// the H100 the first order measured up to 4 % faster at head dim 128 and 1 % slower at 64
+    /// not causal, where it spilled 16 accumulators (`docs/perf-notes.md`, twenty-seventh
+    /// session), until [`dp_waits_for_probs`](Self::dp_waits_for_probs).
     pub fn probs_before_dp(&self) -> bool {
-        self.value_dim > 64
+        self.value_dim > 64 || self.dp_waits_for_probs()
+    }
+
+    /// Whether dP's product starts from accumulators that depend on `P` (the atomic dQ's single
+    /// pass): ptxas then issues the exponentials between dP's MMAs instead of after every
+    /// product. Measured 2–4 % faster there at head dims 64 and 128, and 1–3 % slower in the
+    /// deterministic launches (`docs/perf-notes.md`, thirty-first session).
+    pub fn dp_waits_for_probs(&self) -> bool {
+        self.atomic_dq && self.tile == TilePath::TensorCore
     }
 
     /// Output accumulator registers each unit holds.

@@ -623,7 +623,27 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             };
             probs[reg] = prob_of(probs[reg], row_lse, scale2, cfg);
         }
-        let mut grads = T::scores(second_owned, second_stages, second_base, value_cfg);
+        let mut grads = if comptime!(cfg.dp_waits_for_probs()) {
+            // dP's accumulators start at min(P, 0) = 0 (P is not negative; the minimum drops
+            // a NaN): each of dP's MMAs then waits for the probabilities of its registers, so
+            // that ptxas issues the exponentials between dP's MMAs, where it would otherwise
+            // issue every product first and leave the tensor cores idle through them.
+            let mut grads = Array::<f32>::new(cfg.score_regs());
+            #[unroll]
+            for reg in 0..cfg.score_regs() {
+                grads[reg] = f32::min(probs[reg], 0.0);
+            }
+            T::add_scores(
+                second_owned,
+                second_stages,
+                second_base,
+                &mut grads,
+                value_cfg,
+            );
+            grads
+        } else {
+            T::scores(second_owned, second_stages, second_base, value_cfg)
+        };
         #[unroll]
         for reg in 0..cfg.score_regs() {
             let slot = comptime!(cfg.score_slot(reg));

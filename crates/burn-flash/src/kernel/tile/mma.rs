@@ -12,7 +12,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::AttentionTile;
+use super::{AttentionTile, zero_scores};
 use crate::kernel::config::{CHUNK, MMA_K, MMA_M, MMA_N, SMEM_ALIGN, TileConfig};
 use crate::kernel::stage::{Pitch, copy_block_async, stage_offset, swizzled_offset};
 
@@ -552,6 +552,82 @@ fn exchange_product<E: Float>(
     }
 }
 
+/// Where this plane's part of the staged rows starts in the block at `stage_base` (whole 8-row
+/// swizzle periods; the block itself without a split).
+#[cube]
+fn score_part_base(stage_base: usize, #[comptime] cfg: TileConfig) -> usize {
+    let pitch = comptime!(cfg.staged_pitch(cfg.head_stride()));
+    stage_base + plane_part(cfg) * comptime!(cfg.score_cols() * pitch.row)
+}
+
+/// `scores += Q·Kᵀ` for this plane's part of the staged rows, from `stage_base`
+/// ([`score_part_base`]).
+#[cube]
+fn add_part_scores<E: Float>(
+    query: &MmaQuery<E>,
+    keys: &SharedMemory<E>,
+    stage_base: usize,
+    scores: &mut Array<f32>,
+    #[comptime] cfg: TileConfig,
+) {
+    let def = definition::<E>();
+    let m_tiles = comptime!(cfg.m_tiles());
+    let n_tiles = comptime!(cfg.score_cols() / MMA_N);
+    let pitch = comptime!(cfg.staged_pitch(cfg.head_stride()));
+    // ldmatrix.x4 on K rows: lane l addresses key row l % 8 of the n-tile at 8-column chunk
+    // l / 8, giving the B operands of two consecutive 16-deep steps.
+    let lane = UNIT_POS_X as usize;
+    let key_row = lane % 8usize;
+    let lane_chunk = lane / 8usize;
+    #[unroll]
+    for steps in 0..cfg.head_dim / (2 * MMA_K) {
+        // A operands of both steps for every m16 block: (m · 2 + s) · 4.
+        let mut a = Array::<Pair<E>>::new(m_tiles * 8);
+        #[unroll]
+        for m in 0..m_tiles {
+            #[unroll]
+            for s in 0..2usize {
+                let fragment = query_operand::<E>(query, m, comptime!(steps * 2 + s), cfg);
+                #[unroll]
+                for i in 0..4usize {
+                    a[comptime!((m * 2 + s) * 4 + i)] = fragment[i];
+                }
+            }
+        }
+        #[unroll]
+        for tile in 0..n_tiles {
+            let at = swizzled_offset(
+                stage_base,
+                key_row,
+                lane_chunk,
+                comptime!(tile * MMA_N),
+                comptime!(steps * 2 * MMA_K / CHUNK),
+                pitch,
+            );
+            let b = def.load_matrix::<E, Const<2>>(
+                &keys.slice(at, at + CHUNK),
+                MatrixIdent::B,
+                4usize,
+                false,
+            );
+            #[unroll]
+            for m in 0..m_tiles {
+                let acc_tile = comptime!(m * n_tiles + tile);
+                let mut acc = load_acc(scores, acc_tile);
+                #[unroll]
+                for s in 0..2usize {
+                    def.execute_inplace(
+                        &operand::<E>(&a, comptime!((m * 2 + s) * 4), 4usize),
+                        &operand::<E>(&b, comptime!(s * 2), 2usize),
+                        &mut acc,
+                    );
+                }
+                store_acc(&acc, scores, acc_tile);
+            }
+        }
+    }
+}
+
 /// Shared memory for one owned block (`cfg.block_q` rows, swizzled like the stages).
 #[cube]
 fn query_stage<E: Float>(#[comptime] cfg: TileConfig) -> SharedMemory<E> {
@@ -668,70 +744,21 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         stage_base: usize,
         #[comptime] cfg: TileConfig,
     ) -> Array<f32> {
-        let def = definition::<E>();
-        let m_tiles = comptime!(cfg.m_tiles());
-        let n_tiles = comptime!(cfg.score_cols() / MMA_N);
-        let pitch = comptime!(cfg.staged_pitch(cfg.head_stride()));
-        // This plane's part of the staged rows: whole 8-row swizzle periods.
-        let stage_base = stage_base + plane_part(cfg) * comptime!(cfg.score_cols() * pitch.row);
-        let mut scores = Array::<f32>::new(cfg.score_regs());
-        #[unroll]
-        for reg in 0..cfg.score_regs() {
-            scores[reg] = 0.0;
-        }
-        // ldmatrix.x4 on K rows: lane l addresses key row l % 8 of the n-tile at 8-column chunk
-        // l / 8, giving the B operands of two consecutive 16-deep steps.
-        let lane = UNIT_POS_X as usize;
-        let key_row = lane % 8usize;
-        let lane_chunk = lane / 8usize;
-        #[unroll]
-        for steps in 0..cfg.head_dim / (2 * MMA_K) {
-            // A operands of both steps for every m16 block: (m · 2 + s) · 4.
-            let mut a = Array::<Pair<E>>::new(m_tiles * 8);
-            #[unroll]
-            for m in 0..m_tiles {
-                #[unroll]
-                for s in 0..2usize {
-                    let fragment = query_operand::<E>(query, m, comptime!(steps * 2 + s), cfg);
-                    #[unroll]
-                    for i in 0..4usize {
-                        a[comptime!((m * 2 + s) * 4 + i)] = fragment[i];
-                    }
-                }
-            }
-            #[unroll]
-            for tile in 0..n_tiles {
-                let at = swizzled_offset(
-                    stage_base,
-                    key_row,
-                    lane_chunk,
-                    comptime!(tile * MMA_N),
-                    comptime!(steps * 2 * MMA_K / CHUNK),
-                    pitch,
-                );
-                let b = def.load_matrix::<E, Const<2>>(
-                    &keys.slice(at, at + CHUNK),
-                    MatrixIdent::B,
-                    4usize,
-                    false,
-                );
-                #[unroll]
-                for m in 0..m_tiles {
-                    let acc_tile = comptime!(m * n_tiles + tile);
-                    let mut acc = load_acc(&scores, acc_tile);
-                    #[unroll]
-                    for s in 0..2usize {
-                        def.execute_inplace(
-                            &operand::<E>(&a, comptime!((m * 2 + s) * 4), 4usize),
-                            &operand::<E>(&b, comptime!(s * 2), 2usize),
-                            &mut acc,
-                        );
-                    }
-                    store_acc(&acc, &mut scores, acc_tile);
-                }
-            }
-        }
+        let part_base = score_part_base(stage_base, cfg);
+        let mut scores = zero_scores(cfg);
+        add_part_scores::<E>(query, keys, part_base, &mut scores, cfg);
         scores
+    }
+
+    fn add_scores(
+        query: &MmaQuery<E>,
+        keys: &SharedMemory<E>,
+        stage_base: usize,
+        scores: &mut Array<f32>,
+        #[comptime] cfg: TileConfig,
+    ) {
+        let part_base = score_part_base(stage_base, cfg);
+        add_part_scores::<E>(query, keys, part_base, scores, cfg);
     }
 
     fn accumulate(

@@ -56,6 +56,16 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         #[comptime] cfg: TileConfig,
     ) -> Array<f32>;
 
+    /// [`scores`](Self::scores) added to `scores` (`cfg.score_regs()` registers) instead of
+    /// zeros.
+    fn add_scores(
+        query: &Self::Query,
+        keys: &SharedMemory<E>,
+        stage_base: usize,
+        scores: &mut Array<f32>,
+        #[comptime] cfg: TileConfig,
+    );
+
     /// O += P·V for the V block staged at `stage_base`, P being this unit's score registers.
     fn accumulate(
         probs: &Array<f32>,
@@ -167,4 +177,15 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// Whether `flag` holds for any unit that must take the same branch as this one (its plane
     /// on the tensor-core tile, where a divergent branch would split the MMAs).
     fn any_unit(flag: bool) -> bool;
+}
+
+/// Score registers of `cfg`, zeroed.
+#[cube]
+pub fn zero_scores(#[comptime] cfg: TileConfig) -> Array<f32> {
+    let mut scores = Array::<f32>::new(cfg.score_regs());
+    #[unroll]
+    for reg in 0..cfg.score_regs() {
+        scores[reg] = 0.0;
+    }
+    scores
 }

@@ -3,7 +3,7 @@
 
 use cubecl::prelude::*;
 
-use super::AttentionTile;
+use super::{AttentionTile, zero_scores};
 use crate::kernel::config::{CHUNK, TileConfig};
 use crate::kernel::stage::{input_offset, stage_offset};
 
@@ -55,11 +55,18 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         stage_base: usize,
         #[comptime] cfg: TileConfig,
     ) -> Array<f32> {
-        let mut scores = Array::<f32>::new(cfg.block_kv);
-        #[unroll]
-        for j in 0..cfg.block_kv {
-            scores[j] = 0.0;
-        }
+        let mut scores = zero_scores(cfg);
+        Self::add_scores(query, keys, stage_base, &mut scores, cfg);
+        scores
+    }
+
+    fn add_scores(
+        query: &Array<f32>,
+        keys: &SharedMemory<E>,
+        stage_base: usize,
+        scores: &mut Array<f32>,
+        #[comptime] cfg: TileConfig,
+    ) {
         // The depth loop stays rolled: fully unrolled products make shader compilers (lavapipe's
         // LLVM above all) take minutes on the backward's four of them.
         for c in 0..cfg.head_dim {
@@ -70,7 +77,6 @@ impl<E: Float> AttentionTile<E> for PortableTile {
                 scores[j] += q * f32::cast_from(key);
             }
         }
-        scores
     }
 
     fn accumulate(
