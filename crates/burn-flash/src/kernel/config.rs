@@ -466,8 +466,9 @@ impl TileConfig {
 
     /// Whether dP's product starts from accumulators that depend on `P` (the atomic dQ's single
     /// pass): ptxas then issues the exponentials between dP's MMAs instead of after every
-    /// product. Measured 2–4 % faster there at head dims 64 and 128, and 1–3 % slower in the
-    /// deterministic launches (`docs/perf-notes.md`, thirty-first session).
+    /// product. Measured up to 4.4 % faster there at head dims 64 and 128 (−0.1 % at one of
+    /// eight rows), and up to 2.9 % slower in the deterministic launches (`docs/perf-notes.md`,
+    /// thirty-first session).
     pub fn dp_waits_for_probs(&self) -> bool {
         self.atomic_dq && self.tile == TilePath::TensorCore
     }

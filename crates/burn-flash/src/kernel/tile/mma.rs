@@ -744,6 +744,8 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         stage_base: usize,
         #[comptime] cfg: TileConfig,
     ) -> Array<f32> {
+        // Not `zero_scores` then `add_scores`: this order emits the forward's and the
+        // deterministic launches' code as before the split, which ptxas schedules differently.
         let part_base = score_part_base(stage_base, cfg);
         let mut scores = zero_scores(cfg);
         add_part_scores::<E>(query, keys, part_base, &mut scores, cfg);

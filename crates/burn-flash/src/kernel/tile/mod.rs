@@ -56,8 +56,8 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         #[comptime] cfg: TileConfig,
     ) -> Array<f32>;
 
-    /// [`scores`](Self::scores) added to `scores` (`cfg.score_regs()` registers) instead of
-    /// zeros.
+    /// Add the raw scores Q·Kᵀ that [`scores`](Self::scores) returns to the registers
+    /// `scores` (`cfg.score_regs()` of them) instead of starting from zeros.
     fn add_scores(
         query: &Self::Query,
         keys: &SharedMemory<E>,
