@@ -9,7 +9,8 @@
 //! Register counts, spills and SASS of the kernels (`scripts/ptxas/compile.sh`) need their
 //! source, which CubeCL only produces inside a launch. This runs the public API (bf16, b 1, h 2,
 //! seq 256, per head dim: forward, then forward + backward with the deterministic and the atomic
-//! dQ, each without and with the causal mask; then the forward with a per-pair boolean mask,
+//! dQ, each without and with the causal mask; the atomic one again with its last wave's cubes in
+//! pieces (`backward::tail`); then the forward with a per-pair boolean mask,
 //! with a bias, with a softcap, causal with ALiBi, and the forward + deterministic backward with
 //! dropout) on
 //! `FakeCuda`: a runtime with CubeCL's CUDA
@@ -421,12 +422,23 @@ fn main() {
                 run(format!("d{d}_{mask}_{dq}"), || {
                     // At 256 keys `with_deterministic(false)` alone keeps dQ's own launch.
                     let _atomic = (!deterministic).then(burn_flash::testing::force_atomic_dq);
+                    // Its few cubes would all walk in pieces: that launch is the next run's.
+                    let _whole = burn_flash::testing::tail_slots(0);
                     let [q, k, v] = inputs::<Autodiff<Cube>>(d).map(Tensor::require_grad);
                     let options = options.with_deterministic(deterministic);
                     flash_attention(q, k, v, options).backward();
                 });
             }
         }
+        // The atomic single pass with its last wave split: its 4 cubes planned for 3 slots
+        // walk 3 whole, then 1 in 2 pieces; and the pieces' sum.
+        run(format!("d{d}_full_atomic_tail"), || {
+            let _atomic = burn_flash::testing::force_atomic_dq();
+            let _split = burn_flash::testing::tail_slots(3);
+            let [q, k, v] = inputs::<Autodiff<Cube>>(d).map(Tensor::require_grad);
+            let options = FlashAttentionOptions::default().with_deterministic(false);
+            flash_attention(q, k, v, options).backward();
+        });
         // The forward with a per-pair boolean mask (packed into bits, staged as words).
         run(format!("d{d}_boolmask"), || {
             let [q, k, v] = inputs::<Cube>(d);

@@ -293,6 +293,8 @@ fn deterministic_backward_repeats_bitwise() {
     let Some(device) = cuda_device("deterministic_backward_repeats_bitwise") else {
         return;
     };
+    // Bits compared between calls: no dK/dV launch of the process splits meanwhile.
+    let _whole = burn_flash::testing::tail_slots(0);
     let problem = Problem::cross(2, 4, 700, 1100, 128);
     let inputs = Inputs::random(problem, DType::BF16, 77);
     let upstream = random_normal(problem.out_dims().iter().product(), 78, DType::BF16);
@@ -341,6 +343,8 @@ fn tma_staging_matches_copies() {
     let Some(device) = cuda_device("tma_staging_matches_copies") else {
         return;
     };
+    // Bits compared between calls: no dK/dV launch of the process splits meanwhile.
+    let _whole = burn_flash::testing::tail_slots(0);
     burn_flash::testing::poison_outputs(true);
     let dtype = DType::BF16;
     let expect = expected_tile(&device, dtype);
@@ -409,6 +413,86 @@ fn tma_staging_matches_copies() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The dK/dV launch's last wave split into pieces (`backward::tail`). By default the single
+/// pass without a band splits over the SMs (on the H100 the last 4 of the 4096 cubes of
+/// FlashAttention-2's head dim 64 shapes, a head of which `benchmark_shapes_bf16` judges);
+/// here a testing hook plans every dK/dV launch for 5, 6 and 1000 cube slots, both dQ modes,
+/// on ragged lengths, GQA and the causal mask (whose pieces may walk nothing). On 1000 slots
+/// every launch splits all its cubes, and the deterministic one gives the same bits twice;
+/// every run is judged against the f64 reference.
+#[test]
+fn split_tail_matches_reference() {
+    type B = Autodiff<Cuda<half::bf16>>;
+    let Some(device) = cuda_device("split_tail_matches_reference") else {
+        return;
+    };
+    burn_flash::testing::poison_outputs(true);
+    let dtype = DType::BF16;
+    let expect = expected_tile(&device, dtype);
+    let gqa = Problem {
+        kv_heads: 2,
+        ..Problem::cross(2, 4, 333, 200, 64)
+    };
+    let problems = [
+        (gqa, false),
+        (Problem::cross(1, 3, 129, 257, 64), false),
+        (Problem::square(1, 2, 300, 128), true),
+    ];
+    let mut failures = Vec::new();
+    for (index, (problem, causal)) in problems.into_iter().enumerate() {
+        let spec = Spec::from(causal);
+        let seed = 1300 + index as u64;
+        let inputs = Inputs::random(problem, dtype, seed);
+        let upstream = random_normal(problem.out_dims().iter().product(), seed ^ 0x5EED, dtype);
+        let run = |deterministic: bool| {
+            fused_grads::<B>(
+                &device,
+                &format!("{problem} {spec}"),
+                inputs.to_device::<B>(&device),
+                tensor_from_host::<B>(&upstream, problem.out_dims(), dtype, &device),
+                spec,
+                expect,
+                deterministic,
+            )
+            .unwrap_or_else(|why| panic!("{why}"))
+            .map(to_host)
+        };
+        for slots in [5, 6, 1000] {
+            let _split = burn_flash::testing::tail_slots(slots);
+            for deterministic in [false, true] {
+                let label =
+                    format!("{problem} {spec} seed {seed} {slots} slots det {deterministic}");
+                let before = burn_flash::testing::tail_splits();
+                let grads = run(deterministic);
+                let split = burn_flash::testing::tail_splits() > before;
+                println!("{label}: split {split}");
+                if slots == 1000 && !split {
+                    failures.push(format!("{label}: the dK/dV launch did not split"));
+                }
+                if slots == 1000 && deterministic {
+                    let bits = |g: &[Vec<f64>; 3]| {
+                        g.each_ref()
+                            .map(|g| g.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+                    };
+                    if bits(&run(true)) != bits(&grads) {
+                        failures.push(format!("{label}: a second run changed bits"));
+                    }
+                }
+                failures.extend(judge_problem(
+                    &label,
+                    dtype,
+                    &problem,
+                    spec,
+                    &inputs,
+                    &upstream,
+                    [&grads],
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// FlashAttention-2 benchmark shapes (16k tokens, hidden 2048) at n = 2048, bf16, against Burn's
 /// own autodiff of `attention_fallback` on the same inputs; the f64 reference covers two sampled
 /// (batch, head) pairs (a full one would take minutes of CPU), the whole fused gradients are
@@ -430,6 +514,7 @@ fn benchmark_shapes_bf16() {
         let (batch, heads) = (16384 / n, 2048 / head_dim);
         let label = format!("{dtype:?} b {batch} h {heads} n {n} d {head_dim} causal {causal}");
         let started = Instant::now();
+        let splits = burn_flash::testing::tail_splits();
         B::seed(&device, 40 + index as u64);
         let dims = [batch, heads, n, head_dim];
         let random =
@@ -451,6 +536,8 @@ fn benchmark_shapes_bf16() {
             }
         };
         let fused_time = started.elapsed();
+        let split = burn_flash::testing::tail_splits() > splits;
+        println!("{label}: the dK/dV launch's last wave split: {split}");
         for (name, grad) in ["dq", "dk", "dv"].iter().zip(&fused) {
             let bad = grad.clone().is_nan().int().sum() + grad.clone().is_inf().int().sum();
             let bad = bad.into_scalar();

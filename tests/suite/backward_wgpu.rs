@@ -117,10 +117,36 @@ fn both_dq_modes_match_reference() {
     }
 }
 
+/// The dK/dV launch's last wave split into pieces (`backward::tail`; by default only the CUDA
+/// single pass splits, over the GPU's SMs): a testing hook plans the portable launch for a few
+/// cube slots, so that its last cubes walk in pieces whose partial sums a launch of their own
+/// adds. Both problems launch 6 cubes (32 keys each): on 4 slots the first's 4 walk whole and 2
+/// in 2 pieces of its 3 staged blocks; on 1000 slots all 6 of the second (GQA, causal: 2 query
+/// heads of 3 blocks) walk in 6 pieces. The split counter proves the path ran; the gradients are
+/// judged as every other.
+#[test]
+fn split_tail_matches_reference() {
+    let problems = [
+        (Problem::cross(1, 2, 40, 70, 32), false, 4),
+        (Problem::cross(1, 4, 40, 70, 32).grouped(2), true, 1000),
+    ];
+    for (index, (problem, causal, slots)) in problems.into_iter().enumerate() {
+        let _split = burn_flash::testing::tail_slots(slots);
+        let before = burn_flash::testing::tail_splits();
+        check_mode(problem, causal, 70 + index as u64, true);
+        assert!(
+            burn_flash::testing::tail_splits() > before,
+            "{problem} on {slots} slots: the dK/dV launch did not split"
+        );
+    }
+}
+
 /// The deterministic backward gives the same bits on every run of the same inputs.
 #[test]
 fn deterministic_backward_repeats_bitwise() {
     let device = WgpuDevice::default();
+    // Bits compared between calls: no dK/dV launch of the process splits meanwhile.
+    let _whole = burn_flash::testing::tail_slots(0);
     let problem = Problem::cross(1, 2, 90, 77, 64);
     let inputs = Inputs::random(problem, DType::F32, 5);
     let options = FlashAttentionOptions::causal().with_deterministic(true);

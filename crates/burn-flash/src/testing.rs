@@ -1,6 +1,7 @@
 //! Hooks for tests; not part of the stable API.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 static POISON: AtomicBool = AtomicBool::new(false);
 
@@ -149,4 +150,69 @@ pub fn tma_launches() -> usize {
 /// Counts one launch staged by tensor maps for [`tma_launches`].
 pub(crate) fn record_tma_launch() {
     TMA_STAGED.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The slot count [`tail_slots`] forces; `usize::MAX` while none is.
+static FORCED_TAIL_SLOTS: AtomicUsize = AtomicUsize::new(usize::MAX);
+/// Held by the live [`tail_slots`] guard, so that two never overlap.
+static TAIL_SLOTS_HELD: Mutex<()> = Mutex::new(());
+
+/// While the returned guard lives, every dK/dV launch plans its last wave for `slots` cube
+/// slots, on either tile, dQ by atomics or not, band or not: its last `cubes % slots` cubes then
+/// walk in pieces where the slots leave room for two or more each, and their partial dK/dV sums
+/// are added by a launch of their own (`slots = 0` splits nothing). By default only the tensor-
+/// core single pass without a band splits, over the GPU's SMs. A second guard waits for the
+/// first to drop; launches on other threads meanwhile plan with the forced count too, so a test
+/// that compares bits between calls holds `tail_slots(0)` while it runs (a split launch sums in
+/// another order).
+///
+/// # Example
+///
+/// ```
+/// let split = burn_flash::testing::tail_slots(8);
+/// // ... run backwards: a grid of 13 cubes walks 8 whole, 5 in pieces ...
+/// drop(split);
+/// ```
+#[must_use = "the slot count is forced only while the guard lives"]
+pub fn tail_slots(slots: usize) -> TailSlots {
+    let held = TAIL_SLOTS_HELD
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    FORCED_TAIL_SLOTS.store(slots, Ordering::SeqCst);
+    TailSlots { _held: held }
+}
+
+/// Guard of [`tail_slots`].
+pub struct TailSlots {
+    _held: MutexGuard<'static, ()>,
+}
+
+impl Drop for TailSlots {
+    fn drop(&mut self) {
+        FORCED_TAIL_SLOTS.store(usize::MAX, Ordering::SeqCst);
+    }
+}
+
+/// The slot count a live [`tail_slots`] guard forces; read by the backward launcher.
+pub(crate) fn forced_tail_slots() -> Option<usize> {
+    Some(FORCED_TAIL_SLOTS.load(Ordering::SeqCst)).filter(|&slots| slots != usize::MAX)
+}
+
+static TAIL_SPLITS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many dK/dV launches of this process have split their last wave's cubes into pieces
+/// ([`tail_slots`]), so tests can tell that the path ran.
+///
+/// # Example
+///
+/// ```
+/// assert_eq!(burn_flash::testing::tail_splits(), 0); // no backward ran yet
+/// ```
+pub fn tail_splits() -> usize {
+    TAIL_SPLITS.load(Ordering::Relaxed)
+}
+
+/// Counts one split launch for [`tail_splits`].
+pub(crate) fn record_tail_split() {
+    TAIL_SPLITS.fetch_add(1, Ordering::Relaxed);
 }

@@ -98,6 +98,22 @@ pub struct TileConfig {
     pub staged: Staged,
     /// The grid steps through batches before heads ([`grid`](super::grid)).
     pub batch_inner: bool,
+    /// Which cubes of a dK/dV launch whose last wave is split walk what
+    /// ([`tail`](super::backward::tail)).
+    pub tail: TailPart,
+}
+
+/// The part a dK/dV launch takes of a grid whose last wave's cubes are split into pieces
+/// ([`tail`](super::backward::tail)).
+#[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
+pub enum TailPart {
+    /// No split: every cube walks its block whole.
+    #[default]
+    All,
+    /// The grid's first cubes walk whole; those from the split on exit at once.
+    Whole,
+    /// A grid of (piece, split cube): each cube walks one piece and leaves partial sums.
+    Pieces,
 }
 
 /// Score inputs (a mask, a bias) the tensor-core forward stages in shared memory: each KV
@@ -194,6 +210,7 @@ impl TileConfig {
             tma: false,
             staged: Staged::default(),
             batch_inner: false,
+            tail: TailPart::All,
         }
     }
 
@@ -221,6 +238,7 @@ impl TileConfig {
             tma: false,
             staged: Staged::default(),
             batch_inner: false,
+            tail: TailPart::All,
         }
     }
 
@@ -253,6 +271,11 @@ impl TileConfig {
             batch_inner,
             ..self
         }
+    }
+
+    /// These blocks as `tail`'s part of a split launch ([`tail`](Self::tail)).
+    pub fn with_tail(self, tail: TailPart) -> Self {
+        Self { tail, ..self }
     }
 
     /// These blocks writing the bias gradient from the dQ launch (`true`) or not.

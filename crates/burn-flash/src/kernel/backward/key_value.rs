@@ -5,11 +5,14 @@
 //! (`[b, h, seq_q, head_dim]` f32, contiguous, zeroed, read as vectors of `N`), it also adds
 //! each staged query block's `dS·K` to it with atomics, so no separate dQ launch is needed.
 //! With `cfg.tma`, `q_map` and `d_out_map` are tensor maps of `q` and `d_out` that stage them.
+//! Where the last wave is split ([`tail`](super::tail)), `cfg.tail` says which part this launch
+//! takes; the pieces write their partial sums to `partials`.
 
 use cubecl::prelude::*;
 
+use super::tail::{TailSplit, store_partials};
 use super::walk::{Span, Sweep, WalkDims, walk};
-use crate::kernel::config::TileConfig;
+use crate::kernel::config::{TailPart, TileConfig};
 use crate::kernel::dropout::Dropout;
 use crate::kernel::grid::batch_and_head;
 use crate::kernel::mask::query_range;
@@ -22,7 +25,8 @@ use crate::kernel::tile::AttentionTile;
     address_type = "dynamic",
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 )]
-#[allow(clippy::too_many_arguments)]
+// `collapsible_if`: the split's runtime test sits inside its comptime one, out of other launches.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     q: &Tensor<E>,
     k: &Tensor<E>,
@@ -37,7 +41,9 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     d_k: &mut Tensor<E>,
     d_v: &mut Tensor<E>,
     d_q_accum: &mut ComptimeOption<Tensor<Atomic<Vector<f32, N>>>>,
+    partials: &mut ComptimeOption<Tensor<f32>>,
     dims: WalkDims,
+    tail: TailSplit,
     scale: f32,
     band_left: u32,
     band_right: u32,
@@ -49,10 +55,20 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     #[comptime] cfg: TileConfig,
     #[define(E, M)] _dtypes: [StorageType; 2],
 ) {
-    let (batch, kv_head) = batch_and_head(cfg);
+    if comptime!(cfg.tail == TailPart::Whole) {
+        if tail.is_split() {
+            terminate!();
+        }
+    }
+    let (owned_block, batch, kv_head) = if comptime!(cfg.tail == TailPart::Pieces) {
+        tail.piece_owner(cfg)
+    } else {
+        let (batch, kv_head) = batch_and_head(cfg);
+        (CUBE_POS_X as usize, batch, kv_head)
+    };
     let group = dims.heads / dims.kv_heads;
     let band = dims.band(band_left, band_right);
-    let owned_start = CUBE_POS_X as usize * cfg.block_q;
+    let owned_start = owned_block * cfg.block_q;
     let key_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
     let value_cfg = comptime!(cfg.with_widths(cfg.value_dim, cfg.value_dim));
 
@@ -115,6 +131,12 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         ),
         alibi_pow2,
     };
+    let total = sweep.members * sweep.blocks();
+    let (first_step, steps) = if comptime!(cfg.tail == TailPart::Pieces) {
+        tail.piece_steps(total)
+    } else {
+        (0usize, total)
+    };
     // Owning keys, the bias gradient is left to the dQ launch.
     let mut no_bias_grad = ComptimeOption::<Tensor<E>>::new_None();
     walk::<E, M, T, N>(
@@ -128,6 +150,8 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         bias,
         &mut no_bias_grad,
         sweep,
+        first_step,
+        steps,
         lse,
         delta,
         span,
@@ -139,27 +163,57 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         cfg,
     );
 
-    // The owned keys and values are done with: their shared memory stages dK and dV.
+    #[comptime]
+    if let ComptimeOption::Some(partials) = partials {
+        store_partials::<E, T>(&grad_k, &grad_v, partials, tail.piece_id(), cfg);
+    } else {
+        store_whole::<E, T>(
+            &mut keys,
+            &grad_k,
+            &mut values,
+            &grad_v,
+            d_k,
+            d_v,
+            batch,
+            kv_head,
+            owned_start,
+            band.seq_k,
+            scale,
+            cfg,
+        );
+    }
+}
+
+/// Write a whole walk's `scale · dK` and dV to rows `owned_start..` of the (`batch`, `kv_head`)
+/// head. The owned keys and values are done with: their shared memory stages dK and dV.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_whole<E: Float, T: AttentionTile<E>>(
+    keys: &mut T::Query,
+    grad_k: &Array<f32>,
+    values: &mut T::Query,
+    grad_v: &Array<f32>,
+    d_k: &mut Tensor<E>,
+    d_v: &mut Tensor<E>,
+    batch: usize,
+    kv_head: usize,
+    owned_start: usize,
+    seq_k: usize,
+    scale: f32,
+    #[comptime] cfg: TileConfig,
+) {
+    let key_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
     let dk_head = batch * d_k.stride(0) + kv_head * d_k.stride(1);
     T::store_owned(
-        &mut keys,
-        &grad_k,
+        keys,
+        grad_k,
         scale,
         d_k,
         dk_head,
         owned_start,
-        band.seq_k,
+        seq_k,
         key_cfg,
     );
     let dv_head = batch * d_v.stride(0) + kv_head * d_v.stride(1);
-    T::store_owned(
-        &mut values,
-        &grad_v,
-        1.0,
-        d_v,
-        dv_head,
-        owned_start,
-        band.seq_k,
-        cfg,
-    );
+    T::store_owned(values, grad_v, 1.0, d_v, dv_head, owned_start, seq_k, cfg);
 }

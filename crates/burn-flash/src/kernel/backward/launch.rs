@@ -13,9 +13,10 @@ use cubecl::prelude::*;
 use super::key_value::key_value_grads;
 use super::query::{finish_query_grads, query_grads};
 use super::row_dot::row_dot;
+use super::tail::{self, TailPlan, TailSplitLaunch, finish_tail};
 use super::walk::{StridesLaunch, WalkDimsLaunch};
 use crate::kernel::TilePath;
-use crate::kernel::config::{MMA_M, ScoreParams, TileConfig};
+use crate::kernel::config::{MMA_M, ScoreParams, TailPart, TileConfig};
 use crate::kernel::grid::{batch_inner, cube_count};
 use crate::kernel::launch::{
     ScoreInputs, address_type, cube_dim, fill_tensor, fits_shared, flag_override, output,
@@ -216,6 +217,38 @@ fn dq_vector_width<R: CubeRuntime>(client: &ComputeClient<R>, cfg: &TileConfig) 
     }
 }
 
+/// How the dK/dV launch of `cfg` over `cubes` cubes of `steps` staged blocks each splits its
+/// last wave ([`tail`]) on this client: the single pass on the tensor cores without a band, whose
+/// cubes all walk the same blocks, one per SM (eight planes at more than 128 registers a unit:
+/// ptxas gives them 252–255), over the GPU's SMs. `BURN_FLASH_TAIL_SPLIT=0` turns it off for
+/// tuning runs; [`tail_slots`](crate::testing::tail_slots) forces a slot count on any dK/dV
+/// launch (tests).
+fn tail_plan<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    cfg: &TileConfig,
+    cubes: usize,
+    steps: usize,
+) -> Option<TailPlan> {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    let hardware = &client.properties().hardware;
+    let slots = match crate::testing::forced_tail_slots() {
+        Some(slots) => slots,
+        None => {
+            let wanted = OVERRIDE
+                .get_or_init(|| flag_override("BURN_FLASH_TAIL_SPLIT"))
+                .unwrap_or(true);
+            let uniform = !cfg.mask.left && !cfg.mask.right;
+            if !(wanted && uniform && cfg.atomic_dq && cfg.tile == TilePath::TensorCore) {
+                return None;
+            }
+            hardware.num_streaming_multiprocessors? as usize
+        }
+    };
+    let (max_x, max_y, _) = hardware.max_cube_count;
+    tail::plan(cubes, steps, slots)
+        .filter(|plan| plan.pieces <= max_x as usize && plan.split <= max_y as usize)
+}
+
 /// The [`WalkDims`](super::walk::WalkDims) of a launch over queries `q` and keys `k` that
 /// stages `first` and `second`, with statistics `stats` (`[b, h, seq_q]`).
 fn walk_dims<R: CubeRuntime>(
@@ -332,6 +365,49 @@ pub fn backward<R: CubeRuntime>(
         cfg
     };
     crate::testing::record_dq_launch(cfg.atomic_dq);
+    let key_blocks = seq_k.div_ceil(cfg.block_q);
+    let query_steps = heads / kv_heads * seq_q.div_ceil(cfg.block_kv);
+    let tail = tail_plan(&client, &cfg, batch * kv_heads * key_blocks, query_steps);
+    if tail.is_some() {
+        crate::testing::record_tail_split();
+    }
+    // The split cubes' partial dK/dV sums, each piece's rows whole (see `tail`).
+    let partials = tail.map(|plan| {
+        output(
+            &q,
+            Shape::new([plan.split * plan.pieces, cfg.block_q, head_dim + value_dim]),
+            DType::F32,
+        )
+    });
+    // The dK/dV launches: the whole grid, or its whole cubes and then the pieces.
+    let key_value_parts = match tail {
+        _ if seq_k == 0 => Vec::new(),
+        None => vec![(cube_count(&cfg, seq_k, kv_heads, batch), cfg, None)],
+        Some(plan) => [
+            (plan.whole > 0).then(|| {
+                let grid = cube_count(&cfg, seq_k, kv_heads, batch);
+                (grid, cfg.with_tail(TailPart::Whole), None)
+            }),
+            Some((
+                CubeCount::Static(plan.pieces as u32, plan.split as u32, 1),
+                cfg.with_tail(TailPart::Pieces),
+                partials.clone(),
+            )),
+        ]
+        .into_iter()
+        .flatten()
+        .collect(),
+    };
+    let grid_rows = if cfg.batch_inner { batch } else { kv_heads };
+    let (whole, pieces) = tail.map_or((0, 1), |plan| (plan.whole, plan.pieces));
+    let tail_split = || {
+        TailSplitLaunch::new(
+            whole as u32,
+            pieces as u32,
+            key_blocks as u32,
+            grid_rows as u32,
+        )
+    };
     // The atomic dQ's f32 accumulator, contiguous and zeroed (see `key_value`).
     let accum = cfg.atomic_dq.then(|| {
         let accum = empty_device_contiguous_dtype(
@@ -353,7 +429,6 @@ pub fn backward<R: CubeRuntime>(
     let softcap = params.softcap.unwrap_or(1.0);
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
     let alibi_pow2 = params.alibi_pow2.unwrap_or(1);
-    let key_value_dims = walk_dims(&q, &k, &q, &d_out, &lse);
     let query_dims = walk_dims(&q, &k, &k, &v, &lse);
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernels form is
@@ -388,10 +463,10 @@ pub fn backward<R: CubeRuntime>(
         }
         macro_rules! launch_grads {
             ($tile:ty) => {{
-                if seq_k > 0 {
+                for (grid, part_cfg, part_partials) in key_value_parts.iter().cloned() {
                     key_value_grads::launch_unchecked::<$tile, R>(
                         &client,
-                        cube_count(&cfg, seq_k, kv_heads, batch),
+                        grid,
                         cube_dim(&cfg),
                         address,
                         dq_width,
@@ -413,7 +488,12 @@ pub fn backward<R: CubeRuntime>(
                             }
                             None => ComptimeOptionArgs::None,
                         },
-                        key_value_dims,
+                        match part_partials {
+                            Some(partials) => ComptimeOptionArgs::Some(partials.into_tensor_arg()),
+                            None => ComptimeOptionArgs::None,
+                        },
+                        walk_dims(&q, &k, &q, &d_out, &lse),
+                        tail_split(),
                         params.scale,
                         params.left,
                         params.right,
@@ -422,8 +502,26 @@ pub fn backward<R: CubeRuntime>(
                         seed_hi,
                         threshold,
                         alibi_pow2,
-                        cfg,
+                        part_cfg,
                         dtypes,
+                    );
+                }
+                if let Some(partials) = partials {
+                    let units = partials.meta.num_elements() / pieces;
+                    let cube_dim = CubeDim::new(&client, units);
+                    finish_tail::launch_unchecked(
+                        &client,
+                        cubecl::calculate_cube_count_elemwise(&client, units, cube_dim),
+                        cube_dim,
+                        address,
+                        partials.into_tensor_arg(),
+                        d_k.clone().into_tensor_arg(),
+                        d_v.clone().into_tensor_arg(),
+                        tail_split(),
+                        seq_k,
+                        params.scale,
+                        cfg,
+                        elem,
                     );
                 }
                 if let Some(accum) = &accum {

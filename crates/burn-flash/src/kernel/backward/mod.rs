@@ -13,11 +13,14 @@
 //! accumulator with atomics (FlashAttention-2's scheme) and [`query`] only scales and casts it.
 //! Both main launches share [`walk`], which runs on the forward's tile
 //! ([`AttentionTile`](super::tile::AttentionTile)): tensor cores on CUDA, portable FMAs elsewhere.
+//! Where the dK/dV launch's last wave would leave most SMs idle, [`tail`] spreads its cubes'
+//! walks over them.
 
 mod key_value;
 mod launch;
 mod query;
 mod row_dot;
+mod tail;
 mod walk;
 
 pub use launch::{backward, backward_support};

@@ -103,6 +103,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     // K and V of this launch are staged by plain asynchronous copies (`cfg.tma` is the dK/dV
     // launch's).
     let no_map = ComptimeOption::<TensorMap<E, Tiled>>::new_None();
+    let steps = sweep.members * sweep.blocks();
     walk::<E, M, T, Const<1>>(
         &queries,
         &grads,
@@ -114,6 +115,8 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
         bias,
         d_bias,
         sweep,
+        0usize,
+        steps,
         lse,
         delta,
         span,

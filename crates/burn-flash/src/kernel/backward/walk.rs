@@ -12,7 +12,7 @@
 use cubecl::prelude::*;
 
 use crate::kernel::TilePath;
-use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TileConfig};
+use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TailPart, TileConfig};
 use crate::kernel::dropout::{Dropout, keep_mask};
 use crate::kernel::inputs::{
     Views, add_bias, alibi_slope, mask_input_allows, pair_of, write_bias_grad,
@@ -129,6 +129,20 @@ impl Sweep {
         (0usize, self.first_block * cfg.block_kv)
     }
 
+    /// (member, first staged row) of step `step`: [`start`](Self::start)'s unless the walk
+    /// is a piece of one ([`TailPart::Pieces`]).
+    pub fn step_at(&self, step: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {
+        if comptime!(cfg.tail == TailPart::Pieces) {
+            let blocks = self.blocks();
+            (
+                step / blocks,
+                (self.first_block + step % blocks) * cfg.block_kv,
+            )
+        } else {
+            self.start(cfg)
+        }
+    }
+
     /// (member, first staged row) of the step after (`member`, `row`): members take their
     /// blocks in turn. Stepping by a compare instead of dividing the step index saves an
     /// integer division (some twenty instructions) per use.
@@ -232,7 +246,8 @@ fn load_stats(
     }
 }
 
-/// Walk every (member, block) of `sweep` in one loop, so the pipeline runs on across members.
+/// Walk `steps` (member, block) steps of `sweep` from step `first_step` (0 unless a piece,
+/// [`TailPart::Pieces`]) in one loop, so the pipeline runs on across members.
 /// Tensor-core tile: two stages filled by asynchronous copies (by `first_map` and `second_map`,
 /// tensor maps of `first` and `second`, with `cfg.tma`), the next block in flight while one is
 /// computed; portable tile: one stage of plain loads.
@@ -249,6 +264,8 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     bias: &ComptimeOption<Tensor<E>>,
     d_bias: &mut ComptimeOption<Tensor<E>>,
     sweep: Sweep,
+    first_step: usize,
+    steps: usize,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     span: Span,
@@ -278,7 +295,6 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             owned_delta[slot] = query_stat(delta, sweep.stat_base, span, query);
         }
     }
-    let steps = sweep.members * sweep.blocks();
     let stats_elems = comptime!(if owns_keys { cfg.stats_elems() } else { 1 });
     let mut stats = SharedMemory::<f32>::new(stats_elems);
 
@@ -301,7 +317,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             sync_async_proxy_shared();
         }
         sync_cube();
-        let (mut member, mut row) = sweep.start(cfg);
+        let (mut member, mut row) = sweep.step_at(first_step, cfg);
         if steps > 0 {
             fetch_step::<E>(
                 first,
@@ -383,7 +399,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         let mut staging = SharedMemory::<f32>::new(1usize);
         let mut first_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.head_dim));
         let mut second_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.value_dim));
-        let (mut member, mut first_row) = sweep.start(cfg);
+        let (mut member, mut first_row) = sweep.step_at(first_step, cfg);
         for _ in 0..steps {
             sync_cube();
             load_block::<E>(
