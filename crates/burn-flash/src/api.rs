@@ -9,7 +9,9 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData, TensorPrimitive};
 
 use crate::backend::{FlashAttentionBackend, FlashAttentionProblem, ScoreInputs};
-use crate::{FlashAttentionError, FlashAttentionOptions, TilePath};
+use crate::error::FlashAttentionError;
+use crate::kernel::TilePath;
+use crate::options::FlashAttentionOptions;
 
 /// The path an attention call takes, as decided by [`flash_attention_plan`].
 ///
@@ -487,7 +489,7 @@ fn alibi_bias<B: FlashAttentionBackend>(
     dtype: DType,
     device: &Device<B>,
 ) -> Tensor<B, 4> {
-    let slopes: Vec<f32> = crate::alibi_slopes(heads)
+    let slopes: Vec<f32> = crate::options::alibi_slopes(heads)
         .into_iter()
         .map(|slope| -slope as f32)
         .collect();

@@ -4,7 +4,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{DType, Device};
 
-use crate::{FlashAttentionOptions, TilePath};
+use crate::kernel::TilePath;
+use crate::options::FlashAttentionOptions;
 
 /// The sizes and dtype of one attention call, as a backend sees them when it decides whether
 /// its fused kernel can run it ([`FlashAttentionBackend::flash_attention_support`]).

@@ -25,11 +25,9 @@ use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Int, Tensor};
 
-use crate::api::burn_attention;
-use crate::{
-    AttentionMask, AttentionWindow, FlashAttentionBackend, FlashAttentionOptions,
-    flash_attention_masked,
-};
+use crate::api::{AttentionMask, burn_attention, flash_attention_masked};
+use crate::backend::FlashAttentionBackend;
+use crate::options::{AttentionWindow, FlashAttentionOptions};
 
 /// Which implementation computes the attention inside [`FlashMultiHeadAttention`]. All three
 /// compute the same function; they differ in speed and memory.

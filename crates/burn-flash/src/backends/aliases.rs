@@ -2,7 +2,7 @@
 
 use burn_cubecl::CubeBackend;
 
-use crate::FlashAttentionBackend;
+use crate::backend::FlashAttentionBackend;
 
 type WgpuCube = CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
 #[cfg(feature = "cuda")]

@@ -16,7 +16,8 @@ use crate::backend::{
     FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
     ScoreInputs,
 };
-use crate::{FlashAttentionOptions, TilePath};
+use crate::kernel::TilePath;
+use crate::options::FlashAttentionOptions;
 
 /// The graph node of one fused attention call with `N` parents: `q`, `k`, `v`, and the bias
 /// when it is tracked (`N = 4`).

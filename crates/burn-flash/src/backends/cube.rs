@@ -10,7 +10,8 @@ use crate::backend::{
     FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
     ScoreInputs,
 };
-use crate::{FlashAttentionOptions, TilePath, kernel};
+use crate::kernel::{self, TilePath};
+use crate::options::FlashAttentionOptions;
 
 impl<R, F, I, BT> FlashAttentionBackend for CubeBackend<R, F, I, BT>
 where

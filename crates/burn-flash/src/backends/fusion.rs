@@ -14,7 +14,8 @@ use crate::backend::{
     FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
     ScoreInputs,
 };
-use crate::{FlashAttentionOptions, TilePath};
+use crate::kernel::TilePath;
+use crate::options::FlashAttentionOptions;
 
 /// Names of the custom operations in the fusion stream.
 const FORWARD_OP: &str = "burn_flash::flash_attention_forward";

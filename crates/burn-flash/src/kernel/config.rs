@@ -7,9 +7,6 @@
 //! the dQ launch the owned rows are queries and the staged ones keys/values; the dK/dV launch owns
 //! keys and stages queries.
 
-use super::TilePath;
-use super::stage::Pitch;
-
 /// Rows of one MMA tile (m16n8k16).
 pub const MMA_M: usize = 16;
 /// Columns of one MMA accumulator tile (m16n8k16).
@@ -23,7 +20,7 @@ pub const CHUNK: usize = 8;
 /// CubeCL places a kernel's shared memories in hash-set order, one process's layout differing
 /// from the next; at 16-byte alignment a stage could start 16 bytes past a 128-byte line, and the
 /// head dim 128 forward then ran up to 12 % slower in that process (`docs/perf-notes.md`,
-/// seventeenth session). 128 makes every layout line-aligned.
+/// 2026-11-26, e05353a). 128 makes every layout line-aligned.
 pub const SMEM_ALIGN: usize = 128;
 /// Byte alignment of the stages a tensor map fills ([`TileConfig::tma`]): its 128-byte swizzle
 /// takes a row's key from the address bits above the 128-byte line, so a stage must start on a
@@ -37,6 +34,47 @@ pub const TMA_ALIGN: usize = 1024;
 /// 2⁻⁹⁶, which leaves 30 binades above f32's smallest normal for the products with the values
 /// (a softcap up to 33.27).
 pub const BOUNDED_MAX_RANGE: f32 = 96.0;
+
+/// Which matrix tile a fused launch uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TilePath {
+    /// Tensor cores: `MmaDefinition` m16n8k16 tiles (`ldmatrix` + `mma.sync`), f16/bf16 inputs
+    /// with f32 accumulation, K/V staged by asynchronous copies (by tensor maps at head dims 64
+    /// and 128 from SM90). CUDA, SM80 and newer.
+    TensorCore,
+    /// Portable register FMAs in f32, one unit per query row; any CubeCL runtime.
+    Portable,
+}
+
+/// Where the 16-byte chunks of a swizzled block lie: `row` elements between consecutive rows
+/// and `group` between a row's consecutive groups of eight chunks (128 bytes). Within a group,
+/// chunk `c` of row `r` sits at `c ^ (r % 8)` either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Pitch {
+    pub row: usize,
+    pub group: usize,
+}
+
+impl Pitch {
+    /// Whole rows one after another, `width` elements apart
+    /// ([`stage_offset`](super::stage::stage_offset)'s layout).
+    pub fn rows(width: usize) -> Self {
+        Self {
+            row: width,
+            group: 8 * CHUNK,
+        }
+    }
+
+    /// Each 128-byte group of columns of `rows` rows as a panel of its own, rows 128 bytes
+    /// apart: what a tensor map's box of 64 16-bit columns with the 128-byte swizzle writes, one
+    /// box per panel.
+    pub fn panels(rows: usize) -> Self {
+        Self {
+            row: 8 * CHUNK,
+            group: rows * 8 * CHUNK,
+        }
+    }
+}
 
 /// Block shapes and layout of one launch.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -144,8 +182,8 @@ pub enum BiasAdd {
     /// The tensor cores add it: a 16 × 16 block of the bias as the A operand times a B operand
     /// holding `1 / scale` on a diagonal lands on the accumulators of one n-tile of the
     /// scores, one MMA per n-tile and m16 block instead of two instructions per score. Only
-    /// where the input dtype holds `1 / scale` exactly (`docs/perf-notes.md`, twenty-fourth
-    /// session: a factor in two parts, two MMAs per n-tile, measured slower than converting).
+    /// where the input dtype holds `1 / scale` exactly (`docs/perf-notes.md`, 2026-11-26,
+    /// 3c20369: a factor in two parts, two MMAs per n-tile, measured slower than converting).
     Mma,
 }
 
@@ -481,8 +519,8 @@ impl TileConfig {
     /// both products first and forms `P` and `dS` in one pass (the other launches at 64 and
     /// below). The same work, which ptxas schedules and spills differently at 255 registers: on
     /// the H100 the first order measured up to 4 % faster at head dim 128 and 1 % slower at 64
-    /// not causal, where it spilled 16 accumulators (`docs/perf-notes.md`, twenty-seventh
-    /// session), until [`dp_waits_for_probs`](Self::dp_waits_for_probs).
+    /// not causal, where it spilled 16 accumulators (`docs/perf-notes.md`, 2026-11-27,
+    /// 29ce03e), until [`dp_waits_for_probs`](Self::dp_waits_for_probs).
     pub fn probs_before_dp(&self) -> bool {
         self.value_dim > 64 || self.dp_waits_for_probs()
     }
@@ -491,7 +529,7 @@ impl TileConfig {
     /// pass): ptxas then issues the exponentials between dP's MMAs instead of after every
     /// product. Measured up to 4.4 % faster there at head dims 64 and 128 (−0.1 % at one of
     /// eight rows), and up to 2.9 % slower in the deterministic launches (`docs/perf-notes.md`,
-    /// thirty-first session).
+    /// 2026-11-27, b46a0b7).
     pub fn dp_waits_for_probs(&self) -> bool {
         self.atomic_dq && self.tile == TilePath::TensorCore
     }
@@ -768,7 +806,7 @@ impl ScoreParams {
     /// A window side too wide to hide any key is dropped, so the kernels neither mask nor skip
     /// for it, and kept offsets stay below `seq_q + seq_k` (no index overflow).
     pub fn new(
-        options: &crate::FlashAttentionOptions,
+        options: &crate::options::FlashAttentionOptions,
         heads: usize,
         head_dim: usize,
         seq_q: usize,

@@ -9,11 +9,10 @@
 
 use std::sync::OnceLock;
 
-use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
-use super::config::TileConfig;
-use super::launch::{ScoreInputs, flag_override};
+use super::config::{TileConfig, TilePath};
+use super::tuning::flag_override;
 
 /// (batch, head) of this cube.
 #[cube]
@@ -51,16 +50,18 @@ pub fn cube_count(cfg: &TileConfig, rows: usize, heads: usize, batch: usize) -> 
     }
 }
 
-/// Whether batches come before heads for these inputs: a bias shared by a batch of several
-/// sequences. `BURN_FLASH_BATCH_INNER=0|1` decides instead (tuning runs).
-pub fn batch_inner<R: CubeRuntime>(inputs: &ScoreInputs<R>, batch: usize) -> bool {
+/// Units of a cube: one plane per `cfg.planes` (tensor cores), one unit per owned row (portable).
+pub fn cube_dim(cfg: &TileConfig) -> CubeDim {
+    match cfg.tile {
+        TilePath::TensorCore => CubeDim::new_2d(32, cfg.planes as u32),
+        TilePath::Portable => CubeDim::new_1d(cfg.units() as u32),
+    }
+}
+
+/// Whether batches come before heads: where a bias (of batch size `bias_batch`) is shared by a
+/// batch of several sequences. `BURN_FLASH_BATCH_INNER=0|1` decides instead (tuning runs).
+pub fn batch_inner(bias_batch: Option<usize>, batch: usize) -> bool {
     static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
     let forced = OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_BATCH_INNER"));
-    forced.unwrap_or_else(|| {
-        batch > 1
-            && inputs
-                .bias
-                .as_ref()
-                .is_some_and(|bias| bias.meta.shape()[0] == 1)
-    })
+    forced.unwrap_or(batch > 1 && bias_batch == Some(1))
 }

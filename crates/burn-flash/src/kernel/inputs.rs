@@ -10,11 +10,12 @@
 //! everything downstream, which multiplies by the scale, sees `scale · s + bias` as Burn's
 //! attention defines it. ALiBi's bias, `−slope · |key − diagonal|`, is computed instead of read.
 
+use cubecl::prelude::barrier::copy_async_checked;
 use cubecl::prelude::*;
 
+use super::band::Band;
 use super::config::{SMEM_ALIGN, TileConfig};
-use super::mask::Band;
-use super::stage::{copy_input_async, copy_packed_async, input_offset, smem_anchor};
+use super::stage::{copy_or_zero_fill, input_offset, input_swizzle, smem_anchor};
 use super::tile::AttentionTile;
 
 /// Where one (batch, head) starts in a broadcast input and how far apart its query rows are.
@@ -352,6 +353,102 @@ pub fn input_stages<N: CubePrimitive>(
         ComptimeOption::new_Some(SharedMemory::<N>::new_aligned(len, SMEM_ALIGN))
     } else {
         ComptimeOption::new_None()
+    }
+}
+
+/// Issue asynchronous copies of the `rows × cfg.block_kv` block of a score input (`at` its view
+/// of this (batch, head); `rows` is 1 for a mask the same for every query) for the queries from
+/// `q_start` and the keys from `kv_start` into `stage[stage_base..]` ([`input_offset`]), `chunk`
+/// elements per 16-byte copy. Chunks past either sequence are zero-filled, never read. The
+/// launch stages an input only when its rows are 16-byte aligned and `seq_k` a multiple of
+/// `chunk`, so a chunk is wholly in or out.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn copy_input_async<N: CubePrimitive>(
+    src: &Tensor<N>,
+    at: Broadcast,
+    band: Band,
+    q_start: usize,
+    kv_start: usize,
+    stage: &mut SharedMemory<N>,
+    stage_base: usize,
+    #[comptime] rows: usize,
+    #[comptime] chunk: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    let chunks_per_row = comptime!(cfg.block_kv / chunk);
+    let units = comptime!(cfg.units());
+    let pass_rows = comptime!(units / chunks_per_row);
+    let (rows_per_line, keys) = comptime!(input_swizzle(chunk, &cfg));
+    let period = comptime!(rows_per_line * keys);
+    if comptime!(
+        units.is_multiple_of(chunks_per_row)
+            && rows.is_multiple_of(pass_rows)
+            && pass_rows.is_multiple_of(period)
+    ) {
+        // Each pass of the units covers `pass_rows` whole rows: a unit's column and swizzled
+        // chunk are the same in every pass, its destination steps by a constant and its source
+        // by a constant number of rows, so a copy costs a bound check and an address add.
+        let lane_row = UNIT_POS as usize / chunks_per_row;
+        let col = UNIT_POS as usize % chunks_per_row * chunk;
+        let key_in_bounds = kv_start + col < band.seq_k;
+        let lane_src = at.base + (q_start + lane_row) * at.row_stride + kv_start + col;
+        let pass_src = comptime!(pass_rows) * at.row_stride;
+        let lane_dst = smem_anchor(stage_base + input_offset(lane_row, col, chunk, cfg));
+        #[unroll]
+        for pass in 0..comptime!(rows / pass_rows) {
+            let in_bounds =
+                key_in_bounds && q_start + lane_row + comptime!(pass * pass_rows) < band.seq_q;
+            let src_start = select(in_bounds, lane_src + comptime!(pass) * pass_src, 0usize);
+            let dst = lane_dst + comptime!(pass * pass_rows * cfg.block_kv);
+            copy_or_zero_fill(src, src_start, in_bounds, stage, dst, chunk);
+        }
+    } else {
+        let chunks = comptime!(rows * chunks_per_row);
+        #[unroll]
+        for pass in 0..comptime!(chunks.div_ceil(units)) {
+            let id = comptime!(pass * units) + UNIT_POS as usize;
+            if comptime!(chunks.is_multiple_of(units)) || id < chunks {
+                let row = id / chunks_per_row;
+                let col = id % chunks_per_row * chunk;
+                let (query, key) = (q_start + row, kv_start + col);
+                let in_bounds = query < band.seq_q && key < band.seq_k;
+                let src_start = select(in_bounds, at.base + query * at.row_stride + key, 0usize);
+                let dst = stage_base + input_offset(row, col, chunk, cfg);
+                copy_or_zero_fill(src, src_start, in_bounds, stage, dst, chunk);
+            }
+        }
+    }
+}
+
+/// Issue asynchronous copies of the packed mask's words ([`pack`](super::pack)) for the queries
+/// from `q_start` and the keys from `kv_start` (one KV block, `at` the view of this (batch,
+/// head) whose row stride steps KV blocks) into `stage[stage_base..]`: a contiguous run of
+/// `cfg.mask_stage_len()` words, 4 per 16-byte copy, in bounds for every query block.
+#[cube]
+pub fn copy_packed_async<M: Int>(
+    packed: &Tensor<M>,
+    at: Broadcast,
+    q_start: usize,
+    kv_start: usize,
+    stage: &mut SharedMemory<M>,
+    stage_base: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    let chunks = comptime!(cfg.mask_stage_len() / 4);
+    let units = comptime!(cfg.units());
+    let src = at.base + kv_start / cfg.block_kv * at.row_stride + q_start * cfg.packed_words();
+    #[unroll]
+    for pass in 0..comptime!(chunks.div_ceil(units)) {
+        let id = comptime!(pass * units) + UNIT_POS as usize;
+        if comptime!(chunks.is_multiple_of(units)) || id < chunks {
+            let offset = id * 4;
+            copy_async_checked(
+                &packed.slice(src + offset, src + offset + 4),
+                &mut stage.slice_mut(stage_base + offset, stage_base + offset + 4),
+                4u32,
+            );
+        }
     }
 }
 

@@ -1,30 +1,31 @@
 //! The FlashAttention kernels: the algorithm (global / stage levels, online softmax, masking)
 //! written once, over a matrix tile chosen at launch (tensor cores or portable FMAs).
+//!
+//! Imports go down only. Device side, bottom up: [`config`] (the comptime configuration, which
+//! imports nothing of the kernels), `stage` (shared-memory staging), `tile` (the matrix tiles),
+//! `band` (which keys a query sees), `inputs` (mask and bias inputs), `mask`, `softmax`,
+//! `dropout`, `grid`, then the two passes, `forward` and `backward`. Host side: `tuning`
+//! (environment overrides), `device` (the device's features), `tensors`, `pack`, and in each
+//! pass a `plan` (what runs, decided on the host and unit-tested there) and a `launch` (what is
+//! allocated and enqueued).
 
 mod backward;
-mod config;
+mod band;
+pub(crate) mod config;
+mod device;
 mod dropout;
 mod forward;
 mod grid;
 mod inputs;
-mod launch;
 mod mask;
 mod pack;
 mod softmax;
 mod stage;
+mod tensors;
 mod tile;
+mod tuning;
 
 pub use backward::{backward, backward_support};
-pub use config::ScoreParams;
-pub use launch::{ScoreInputs, forward, support};
-
-/// Which matrix tile a fused launch uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TilePath {
-    /// Tensor cores: `MmaDefinition` m16n8k16 tiles (`ldmatrix` + `mma.sync`), f16/bf16 inputs
-    /// with f32 accumulation, K/V staged by asynchronous copies (by tensor maps at head dims 64
-    /// and 128 from SM90). CUDA, SM80 and newer.
-    TensorCore,
-    /// Portable register FMAs in f32, one unit per query row; any CubeCL runtime.
-    Portable,
-}
+pub use config::{ScoreParams, TilePath};
+pub use forward::{forward, support};
+pub use tensors::ScoreInputs;

@@ -19,7 +19,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
 use cubecl::prelude::*;
 
-use super::launch::{address_type, vector_width};
+use super::tensors::{address_type, vector_width};
 
 /// One unit per packed word; consecutive units take consecutive words of a query row, so a
 /// plane reads a row's mask contiguously, `N` elements per load.
@@ -249,7 +249,7 @@ mod tests {
     use burn_cubecl::CubeBackend;
     use burn_cubecl::tensor::CubeTensor;
 
-    use crate::kernel::ScoreInputs;
+    use crate::kernel::tensors::ScoreInputs;
 
     type B = CubeBackend<WgpuRuntime, f32, i32, u32>;
 

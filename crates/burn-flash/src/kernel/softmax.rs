@@ -7,8 +7,7 @@
 
 use cubecl::prelude::*;
 
-use super::TilePath;
-use super::config::TileConfig;
+use super::config::{TileConfig, TilePath};
 use super::tile::AttentionTile;
 
 /// 2^x. On the tensor-core path (CUDA) `powf(2, x)`, which NVRTC's fast math folds to one `ex2`:

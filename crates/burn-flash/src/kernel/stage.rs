@@ -4,9 +4,7 @@
 use cubecl::prelude::barrier::{Barrier, copy_async_checked};
 use cubecl::prelude::*;
 
-use super::config::{CHUNK, TileConfig};
-use super::inputs::Broadcast;
-use super::mask::Band;
+use super::config::{CHUNK, Pitch, TileConfig};
 
 /// Offset of element (`row`, `col`) inside one staged block of `width` columns. With swizzle,
 /// 16-byte chunk `c` of row `r` lives at chunk `c ^ (r % 8)`: eight consecutive rows read at the
@@ -34,35 +32,6 @@ pub fn stage_offset(
 #[cube]
 pub fn smem_anchor(index: usize) -> usize {
     index & comptime!((1usize << 17) - 1)
-}
-
-/// Where the 16-byte chunks of a swizzled block lie: `row` elements between consecutive rows
-/// and `group` between a row's consecutive groups of eight chunks (128 bytes). Within a group,
-/// chunk `c` of row `r` sits at `c ^ (r % 8)` either way.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Pitch {
-    pub row: usize,
-    pub group: usize,
-}
-
-impl Pitch {
-    /// Whole rows one after another, `width` elements apart ([`stage_offset`]'s layout).
-    pub fn rows(width: usize) -> Self {
-        Self {
-            row: width,
-            group: 8 * CHUNK,
-        }
-    }
-
-    /// Each 128-byte group of columns of `rows` rows as a panel of its own, rows 128 bytes
-    /// apart: what a tensor map's box of 64 16-bit columns with the 128-byte swizzle writes, one
-    /// box per panel.
-    pub fn panels(rows: usize) -> Self {
-        Self {
-            row: 8 * CHUNK,
-            group: rows * 8 * CHUNK,
-        }
-    }
 }
 
 /// `base` plus the offset under `pitch` of row `row0 + lane_row`, 16-byte chunk
@@ -364,105 +333,9 @@ pub fn input_offset(
 
 /// [`input_offset`]'s swizzle: rows per 128-byte line and distinct keys. Rows
 /// `rows_per_line · keys` apart share their key.
-fn input_swizzle(chunk: usize, cfg: &TileConfig) -> (usize, usize) {
+pub fn input_swizzle(chunk: usize, cfg: &TileConfig) -> (usize, usize) {
     let chunks = cfg.block_kv / chunk;
     ((8 / chunks).max(1), chunks.min(8))
-}
-
-/// Issue asynchronous copies of the `rows × cfg.block_kv` block of a score input (`at` its view
-/// of this (batch, head); `rows` is 1 for a mask the same for every query) for the queries from
-/// `q_start` and the keys from `kv_start` into `stage[stage_base..]` ([`input_offset`]), `chunk`
-/// elements per 16-byte copy. Chunks past either sequence are zero-filled, never read. The
-/// launch stages an input only when its rows are 16-byte aligned and `seq_k` a multiple of
-/// `chunk`, so a chunk is wholly in or out.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn copy_input_async<N: CubePrimitive>(
-    src: &Tensor<N>,
-    at: Broadcast,
-    band: Band,
-    q_start: usize,
-    kv_start: usize,
-    stage: &mut SharedMemory<N>,
-    stage_base: usize,
-    #[comptime] rows: usize,
-    #[comptime] chunk: usize,
-    #[comptime] cfg: TileConfig,
-) {
-    let chunks_per_row = comptime!(cfg.block_kv / chunk);
-    let units = comptime!(cfg.units());
-    let pass_rows = comptime!(units / chunks_per_row);
-    let (rows_per_line, keys) = comptime!(input_swizzle(chunk, &cfg));
-    let period = comptime!(rows_per_line * keys);
-    if comptime!(
-        units.is_multiple_of(chunks_per_row)
-            && rows.is_multiple_of(pass_rows)
-            && pass_rows.is_multiple_of(period)
-    ) {
-        // Each pass of the units covers `pass_rows` whole rows: a unit's column and swizzled
-        // chunk are the same in every pass, its destination steps by a constant and its source
-        // by a constant number of rows, so a copy costs a bound check and an address add.
-        let lane_row = UNIT_POS as usize / chunks_per_row;
-        let col = UNIT_POS as usize % chunks_per_row * chunk;
-        let key_in_bounds = kv_start + col < band.seq_k;
-        let lane_src = at.base + (q_start + lane_row) * at.row_stride + kv_start + col;
-        let pass_src = comptime!(pass_rows) * at.row_stride;
-        let lane_dst = smem_anchor(stage_base + input_offset(lane_row, col, chunk, cfg));
-        #[unroll]
-        for pass in 0..comptime!(rows / pass_rows) {
-            let in_bounds =
-                key_in_bounds && q_start + lane_row + comptime!(pass * pass_rows) < band.seq_q;
-            let src_start = select(in_bounds, lane_src + comptime!(pass) * pass_src, 0usize);
-            let dst = lane_dst + comptime!(pass * pass_rows * cfg.block_kv);
-            copy_or_zero_fill(src, src_start, in_bounds, stage, dst, chunk);
-        }
-    } else {
-        let chunks = comptime!(rows * chunks_per_row);
-        #[unroll]
-        for pass in 0..comptime!(chunks.div_ceil(units)) {
-            let id = comptime!(pass * units) + UNIT_POS as usize;
-            if comptime!(chunks.is_multiple_of(units)) || id < chunks {
-                let row = id / chunks_per_row;
-                let col = id % chunks_per_row * chunk;
-                let (query, key) = (q_start + row, kv_start + col);
-                let in_bounds = query < band.seq_q && key < band.seq_k;
-                let src_start = select(in_bounds, at.base + query * at.row_stride + key, 0usize);
-                let dst = stage_base + input_offset(row, col, chunk, cfg);
-                copy_or_zero_fill(src, src_start, in_bounds, stage, dst, chunk);
-            }
-        }
-    }
-}
-
-/// Issue asynchronous copies of the packed mask's words ([`pack`](super::pack)) for the queries
-/// from `q_start` and the keys from `kv_start` (one KV block, `at` the view of this (batch,
-/// head) whose row stride steps KV blocks) into `stage[stage_base..]`: a contiguous run of
-/// `cfg.mask_stage_len()` words, 4 per 16-byte copy, in bounds for every query block.
-#[cube]
-pub fn copy_packed_async<M: Int>(
-    packed: &Tensor<M>,
-    at: Broadcast,
-    q_start: usize,
-    kv_start: usize,
-    stage: &mut SharedMemory<M>,
-    stage_base: usize,
-    #[comptime] cfg: TileConfig,
-) {
-    let chunks = comptime!(cfg.mask_stage_len() / 4);
-    let units = comptime!(cfg.units());
-    let src = at.base + kv_start / cfg.block_kv * at.row_stride + q_start * cfg.packed_words();
-    #[unroll]
-    for pass in 0..comptime!(chunks.div_ceil(units)) {
-        let id = comptime!(pass * units) + UNIT_POS as usize;
-        if comptime!(chunks.is_multiple_of(units)) || id < chunks {
-            let offset = id * 4;
-            copy_async_checked(
-                &packed.slice(src + offset, src + offset + 4),
-                &mut stage.slice_mut(stage_base + offset, stage_base + offset + 4),
-                4u32,
-            );
-        }
-    }
 }
 
 /// One barrier per stage of a double buffer; a stage's copies complete on its barrier.

@@ -12,10 +12,10 @@ use cubecl::prelude::*;
 
 use super::tail::{TailSplit, store_partials};
 use super::walk::{Span, Sweep, WalkDims, walk};
+use crate::kernel::band::query_range;
 use crate::kernel::config::{TailPart, TileConfig};
 use crate::kernel::dropout::Dropout;
 use crate::kernel::grid::batch_and_head;
-use crate::kernel::mask::query_range;
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
 

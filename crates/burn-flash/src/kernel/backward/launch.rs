@@ -1,26 +1,25 @@
-//! Launch of the backward: which inputs it takes, the grids, the gradient tensors.
-
-use std::sync::OnceLock;
+//! Launch of the backward: the plan for these inputs on this device ([`plan`](super::plan)),
+//! then the gradients allocated and the kernels enqueued: the row dot `D = rowsum(dO ∘ O)`, the
+//! dK/dV launch (its last wave in pieces where the plan splits it, [`tail`](super::tail)), and
+//! dQ's own launch or the atomic dQ's conversion.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
-use cubecl::ir::features::AtomicUsage;
-use cubecl::ir::{ElemType, FloatKind, Type};
 use cubecl::prelude::*;
 
 use super::key_value::key_value_grads;
+use super::plan::{BackwardPlan, BackwardProblem};
 use super::query::{finish_query_grads, query_grads};
 use super::row_dot::row_dot;
-use super::tail::{self, TailPlan, TailSplitLaunch, finish_tail};
+use super::tail::{TailSplitLaunch, finish_tail};
 use super::walk::{StridesLaunch, WalkDimsLaunch};
-use crate::kernel::TilePath;
-use crate::kernel::config::{MMA_M, ScoreParams, TailPart, TileConfig};
-use crate::kernel::grid::{batch_inner, cube_count};
-use crate::kernel::launch::{
-    ScoreInputs, address_type, cube_dim, fill_tensor, fits_shared, flag_override, output,
-    shape_override, stage_map, tma_staging, usable_tile, vector_width,
+use crate::kernel::config::{ScoreParams, TailPart, TilePath};
+use crate::kernel::device::DeviceCaps;
+use crate::kernel::grid::{cube_count, cube_dim};
+use crate::kernel::tensors::{
+    ScoreInputs, address_type, fill_tensor, output, stage_map, tma_aligned, vector_width,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 
@@ -32,221 +31,7 @@ pub fn backward_support<R: CubeRuntime>(
     head_dim: usize,
     value_dim: usize,
 ) -> Result<TilePath, String> {
-    let tile = usable_tile(client, dtype, head_dim, value_dim)?;
-    for cfg in [
-        key_value_config(tile, head_dim, value_dim, false),
-        query_config(tile, head_dim, value_dim),
-    ] {
-        fits_shared(client, "backward", cfg.backward_shared_bytes(dtype.size()))?;
-    }
-    Ok(tile)
-}
-
-/// Block shapes of the dK/dV launch; `atomic` when it also adds dQ by atomics. Each plane holds
-/// two accumulators as wide as the head dim beside its two score-shaped tiles. Tensor cores at
-/// head dim 128: pairs of planes share 32 owned keys (two m16 blocks) against 64-row stages of
-/// queries, each plane computing the scores of 32 staged queries and holding half of the head
-/// dim of dK and dV ([`TileConfig::split`]), so that every staged fragment feeds two products;
-/// with atomics four pairs (128 keys per cube, half the atomics per product of a 64-key cube),
-/// else two. Head dim 64 with atomics: the same four pairs, each plane holding half of the head
-/// dim (32 columns, half a swizzle group), against 128-row stages (FlashAttention-2's block at
-/// this head dim: each plane's scores then span 64 staged queries), with the owned keys and
-/// values re-read from shared memory, as the scores take the registers that would hold them
-/// ([`narrow_stages`] where the 202 KB of shared memory this needs do not fit). Other head
-/// dims, and head dim 64 without atomics (where pairs measured no faster): 4 planes of 16 owned
-/// keys (one m16 block) against 64-row stages.
-/// `BURN_FLASH_BWD_SPLIT=1|2` and `BURN_FLASH_BWD_SHAPE=planes,rows,kv` override them for
-/// tuning runs. Portable: 32 owned rows against 16-row stages, as the forward.
-fn key_value_config(tile: TilePath, head_dim: usize, value_dim: usize, atomic: bool) -> TileConfig {
-    static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
-    static SPLIT: OnceLock<Option<usize>> = OnceLock::new();
-    let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_BWD_SHAPE"));
-    let split_override = SPLIT.get_or_init(|| {
-        let text = std::env::var("BURN_FLASH_BWD_SPLIT").ok()?;
-        let split = text
-            .trim()
-            .parse()
-            .ok()
-            .filter(|split| matches!(split, 1 | 2));
-        if split.is_none() {
-            log::warn!("ignoring BURN_FLASH_BWD_SPLIT={text:?}: expected 1 or 2");
-        }
-        split
-    });
-    let paired_64 = atomic && head_dim == 64 && value_dim == 64;
-    let default_split = if head_dim.max(value_dim) == 128 || paired_64 {
-        2
-    } else {
-        1
-    };
-    let split = split_override.unwrap_or(default_split);
-    let paired_shape = match (atomic, paired_64) {
-        (true, true) => (8, 32, 128),
-        (true, false) => (8, 32, 64),
-        (false, _) => (4, 32, 64),
-    };
-    let paired = tile_config(tile, head_dim, value_dim, shape.unwrap_or(paired_shape));
-    if split > 1 && paired.can_split(split) {
-        let paired = paired.with_split(split);
-        if paired_64 && paired.block_kv > 64 {
-            paired.with_owned_in_smem()
-        } else {
-            paired
-        }
-    } else {
-        tile_config(tile, head_dim, value_dim, shape.unwrap_or((4, 16, 64)))
-    }
-}
-
-/// The same single pass on 64-row stages with the owned operands in registers, for blocks of
-/// 128-row stages that re-read them from shared memory ([`key_value_config`]): those need more
-/// shared memory than an SM80 cube has.
-fn narrow_stages(cfg: &TileConfig) -> Option<TileConfig> {
-    (cfg.owned_in_smem && cfg.block_kv > 64).then_some(TileConfig {
-        block_kv: 64,
-        owned_in_smem: false,
-        ..*cfg
-    })
-}
-
-/// Block shapes of the dQ launch, which holds one head-dim-wide accumulator where the dK/dV
-/// launch holds two, so each plane owns two m16 blocks of queries up to head dim 128 (every
-/// staged K/V fragment then feeds two products): against 64-row key stages up to head dim 64,
-/// 32-row ones above, where the scores of 64 keys would not fit beside the accumulator (measured
-/// in `docs/perf-notes.md`). Head dim 256 keeps one m16 block per plane.
-/// `BURN_FLASH_DQ_SHAPE=planes,rows,kv` overrides it for tuning runs.
-fn query_config(tile: TilePath, head_dim: usize, value_dim: usize) -> TileConfig {
-    static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
-    let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_DQ_SHAPE"));
-    let default = match head_dim.max(value_dim) {
-        0..=64 => (4, 32, 64),
-        65..=128 => (4, 32, 32),
-        _ => (4, 16, 64),
-    };
-    tile_config(tile, head_dim, value_dim, shape.unwrap_or(default))
-}
-
-fn tile_config(
-    tile: TilePath,
-    head_dim: usize,
-    value_dim: usize,
-    (planes, plane_rows, block_kv): (usize, usize, usize),
-) -> TileConfig {
-    match tile {
-        TilePath::TensorCore => {
-            TileConfig::tensor_core(head_dim, value_dim, planes, plane_rows, block_kv)
-        }
-        TilePath::Portable => TileConfig::portable(head_dim, value_dim),
-    }
-}
-
-/// Whether dQ can be added by f32 atomics from the dK/dV launch with these blocks: the runtime
-/// adds f32 atomically, every plane gets whole m16 blocks of the staged queries, and the
-/// transpose scratch fits in shared memory. Otherwise dQ takes its own launch.
-fn atomic_dq_usable<R: CubeRuntime>(
-    client: &ComputeClient<R>,
-    cfg: &TileConfig,
-    elem_size: usize,
-) -> bool {
-    let f32_atomic = Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32)));
-    let adds = client
-        .properties()
-        .atomic_type_usage(f32_atomic)
-        .contains(AtomicUsage::Add);
-    let whole_blocks = match cfg.tile {
-        TilePath::TensorCore => cfg.block_kv.is_multiple_of(cfg.planes / cfg.split * MMA_M),
-        TilePath::Portable => true,
-    };
-    let atomic = cfg.with_atomic_dq(true);
-    adds && whole_blocks
-        && fits_shared(client, "backward", atomic.backward_shared_bytes(elem_size)).is_ok()
-}
-
-/// Whether the atomic dQ is the faster of the two ways for these shapes, as measured on the H100
-/// (`docs/backward.md`): on the tensor-core tile from head dim 128 over at least 1024 keys, 2048
-/// when causal (4–15 % faster there), and at head dim 64 over at least 2048 keys, 4096 when
-/// causal (3–5 % from 4096 keys, 2.7 % at 2048; level with dQ's own launch at 2048 causal, 1–6 %
-/// slower at 1024). Shorter and causal-short backwards and other head dims are faster with dQ's
-/// own launch, and the portable tile's per-unit atomics always are.
-/// [`force_atomic_dq`](crate::testing::force_atomic_dq) overrides this for tests, and
-/// `BURN_FLASH_DQ_ATOMIC=0|1` for tuning runs.
-fn atomic_dq_faster(cfg: &TileConfig, seq_k: usize) -> bool {
-    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
-    let forced = OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_DQ_ATOMIC"));
-    let d64 = cfg.head_dim == 64 && cfg.value_dim == 64;
-    let min_keys = match (d64, cfg.mask.right) {
-        (true, true) => 4096,
-        (true, false) => 2048,
-        (false, true) => 2048,
-        (false, false) => 1024,
-    };
-    crate::testing::atomic_dq_forced()
-        || forced.unwrap_or(
-            cfg.tile == TilePath::TensorCore
-                && (d64 || cfg.head_dim.max(cfg.value_dim) >= 128)
-                && seq_k >= min_keys,
-        )
-}
-
-/// Columns per atomic add of the dQ accumulator on the tensor-core tile: 4 where the runtime
-/// adds `float4` atomically (CUDA on SM90+), else 1 (and always 1 on the portable tile, whose
-/// units add single elements). `BURN_FLASH_DQ_VECTOR=1|2|4` picks the width for tuning runs
-/// (1 runs the SM80 form on newer GPUs); a width the runtime cannot add falls back to 1.
-fn dq_vector_width<R: CubeRuntime>(client: &ComputeClient<R>, cfg: &TileConfig) -> usize {
-    static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
-    let wanted = OVERRIDE
-        .get_or_init(|| {
-            let text = std::env::var("BURN_FLASH_DQ_VECTOR").ok()?;
-            let width = text.trim().parse().ok().filter(|w| matches!(w, 1 | 2 | 4));
-            if width.is_none() {
-                log::warn!("ignoring BURN_FLASH_DQ_VECTOR={text:?}: expected 1, 2 or 4");
-            }
-            width
-        })
-        .unwrap_or(4);
-    let vector =
-        Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(wanted);
-    let adds = client
-        .properties()
-        .atomic_type_usage(vector)
-        .contains(AtomicUsage::Add);
-    if cfg.tile == TilePath::TensorCore && adds {
-        wanted
-    } else {
-        1
-    }
-}
-
-/// How the dK/dV launch of `cfg` over `cubes` cubes of `steps` staged blocks each splits its
-/// last wave ([`tail`]) on this client: the single pass on the tensor cores without a band, whose
-/// cubes all walk the same blocks, one per SM (eight planes at more than 128 registers a unit:
-/// ptxas gives them 252–255), over the GPU's SMs. `BURN_FLASH_TAIL_SPLIT=0` turns it off for
-/// tuning runs; [`tail_slots`](crate::testing::tail_slots) forces a slot count on any dK/dV
-/// launch (tests).
-fn tail_plan<R: CubeRuntime>(
-    client: &ComputeClient<R>,
-    cfg: &TileConfig,
-    cubes: usize,
-    steps: usize,
-) -> Option<TailPlan> {
-    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
-    let hardware = &client.properties().hardware;
-    let slots = match crate::testing::forced_tail_slots() {
-        Some(slots) => slots,
-        None => {
-            let wanted = OVERRIDE
-                .get_or_init(|| flag_override("BURN_FLASH_TAIL_SPLIT"))
-                .unwrap_or(true);
-            let uniform = !cfg.mask.left && !cfg.mask.right;
-            if !(wanted && uniform && cfg.atomic_dq && cfg.tile == TilePath::TensorCore) {
-                return None;
-            }
-            hardware.num_streaming_multiprocessors? as usize
-        }
-    };
-    let (max_x, max_y, _) = hardware.max_cube_count;
-    tail::plan(cubes, steps, slots)
-        .filter(|plan| plan.pieces <= max_x as usize && plan.split <= max_y as usize)
+    super::plan::support(&DeviceCaps::of(client, dtype), dtype, head_dim, value_dim)
 }
 
 /// The [`WalkDims`](super::walk::WalkDims) of a launch over queries `q` and keys `k` that
@@ -284,10 +69,10 @@ pub struct Grads<R: CubeRuntime> {
 
 /// Gradients of the fused attention, from its inputs, its output `out`, its log-sum-exp `lse`
 /// (`[b, h, sq]`, f32) and the output gradient `d_out`. Inputs as for
-/// [`forward`](crate::kernel::forward), accepted by [`backward_support`]. Unless
-/// `deterministic`, dQ is summed by f32 atomics where that is faster ([`atomic_dq_faster`]),
-/// [`atomic_dq_usable`] allows it and no bias gradient is asked for (`bias_grad`; it is written
-/// by the dQ launch).
+/// [`forward`](crate::kernel::forward::forward), accepted by [`backward_support`]. Unless
+/// `deterministic`, dQ is summed by f32 atomics where that is faster and the device can run it
+/// and no bias gradient is asked for (`bias_grad`; it is written by the dQ launch): the
+/// [`DqMode`](super::plan::DqMode) of the plan.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -331,46 +116,40 @@ pub fn backward<R: CubeRuntime>(
     if batch * heads == 0 {
         return grads;
     }
-    let tile = backward_support(&client, dtype, head_dim, value_dim)
+    let problem = BackwardProblem {
+        dtype,
+        batch,
+        heads,
+        kv_heads,
+        seq_q,
+        seq_k,
+        head_dim,
+        value_dim,
+        params,
+        bias_batch: inputs.bias.as_ref().map(|bias| bias.meta.shape()[0]),
+        deterministic,
+        bias_grad,
+        staged_tma_aligned: tma_aligned(&q) && tma_aligned(&d_out),
+    };
+    let plan = BackwardPlan::new(&DeviceCaps::of(&client, dtype), &problem)
         .unwrap_or_else(|reason| panic!("fused backward launched on unsupported input: {reason}"));
-    let batch_inner = batch_inner(&inputs, batch);
-    let blocks = |atomic| {
-        key_value_config(tile, head_dim, value_dim, atomic)
-            .with_scores(&params)
-            .with_bias_grad(bias_grad)
-            .with_batch_inner(batch_inner)
-    };
-    let query_cfg = query_config(tile, head_dim, value_dim)
-        .with_scores(&params)
-        .with_bias_grad(bias_grad)
-        .with_batch_inner(batch_inner);
-    let atomic = (!deterministic && !bias_grad && seq_q > 0)
-        .then(|| blocks(true))
-        .filter(|atomic| atomic_dq_faster(atomic, seq_k))
-        .and_then(|atomic| {
-            [Some(atomic), narrow_stages(&atomic)]
-                .into_iter()
-                .flatten()
-                .find(|atomic| atomic_dq_usable(&client, atomic, dtype.size()))
-        });
-    let cfg = match atomic {
-        Some(atomic) => atomic.with_atomic_dq(true),
-        None => blocks(false),
-    };
-    let backward_bytes = |cfg: &TileConfig| cfg.backward_shared_bytes(dtype.size());
-    let cfg = if tma_staging(&client, &cfg, &[&q, &d_out], backward_bytes) {
+    log::debug!("fused backward: {plan}");
+    let BackwardPlan {
+        key_value: cfg,
+        query: query_cfg,
+        dq_width,
+        tail,
+        ..
+    } = plan;
+    let tile = cfg.tile;
+    if cfg.tma {
         crate::testing::record_tma_launch();
-        cfg.with_tma()
-    } else {
-        cfg
-    };
+    }
     crate::testing::record_dq_launch(cfg.atomic_dq);
-    let key_blocks = seq_k.div_ceil(cfg.block_q);
-    let query_steps = heads / kv_heads * seq_q.div_ceil(cfg.block_kv);
-    let tail = tail_plan(&client, &cfg, batch * kv_heads * key_blocks, query_steps);
     if tail.is_some() {
         crate::testing::record_tail_split();
     }
+    let key_blocks = seq_k.div_ceil(cfg.block_q);
     // The split cubes' partial dK/dV sums, each piece's rows whole (see `tail`).
     let partials = tail.map(|plan| {
         output(
@@ -423,7 +202,6 @@ pub fn backward<R: CubeRuntime>(
     let address = address_type(&[&q, &k, &v, &out, &d_out, &d_q, &d_k, &d_v])
         .max(inputs.address_type())
         .max(address_type(&d_bias.iter().collect::<Vec<_>>()));
-    let dq_width = dq_vector_width(&client, &cfg);
     let elem: StorageType = dtype.into();
     let dtypes = [elem, inputs.mask_dtype()];
     let softcap = params.softcap.unwrap_or(1.0);
@@ -580,68 +358,4 @@ pub fn backward<R: CubeRuntime>(
         }
     }
     grads
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::kernel::config::MaskConfig;
-
-    #[test]
-    fn atomic_dq_only_where_measured_faster() {
-        let tc = |d: usize, causal: bool| TileConfig {
-            mask: MaskConfig {
-                right: causal,
-                ..MaskConfig::default()
-            },
-            ..key_value_config(TilePath::TensorCore, d, d, true)
-        };
-        assert!(atomic_dq_faster(&tc(128, false), 1024));
-        assert!(!atomic_dq_faster(&tc(128, false), 1023));
-        assert!(atomic_dq_faster(&tc(128, true), 2048));
-        assert!(!atomic_dq_faster(&tc(128, true), 1024));
-        assert!(atomic_dq_faster(&tc(256, false), 4096));
-        assert!(atomic_dq_faster(&tc(64, false), 4096));
-        assert!(atomic_dq_faster(&tc(64, true), 16384));
-        assert!(atomic_dq_faster(&tc(64, false), 2048));
-        assert!(!atomic_dq_faster(&tc(64, false), 2047));
-        assert!(!atomic_dq_faster(&tc(64, true), 4095));
-        assert!(!atomic_dq_faster(&tc(32, false), 16384));
-        assert!(!atomic_dq_faster(&tc(96, false), 16384));
-        // Head dim 64 takes the atomic dQ in split pairs of 128 keys, without it unsplit.
-        assert_eq!(
-            key_value_config(TilePath::TensorCore, 64, 64, true).split,
-            2
-        );
-        assert_eq!(
-            key_value_config(TilePath::TensorCore, 64, 64, false).split,
-            1
-        );
-        let portable = key_value_config(TilePath::Portable, 128, 128, true);
-        assert!(!atomic_dq_faster(&portable, 16384));
-        let _forced = crate::testing::force_atomic_dq();
-        assert!(atomic_dq_faster(&tc(64, true), 1));
-        assert!(atomic_dq_faster(&portable, 1));
-    }
-
-    #[test]
-    fn head_dim_64_single_pass_narrows_where_shared_memory_is_short() {
-        let wide = key_value_config(TilePath::TensorCore, 64, 64, true).with_atomic_dq(true);
-        assert_eq!((wide.block_q, wide.block_kv, wide.split), (128, 128, 2));
-        assert!(wide.query_in_smem() && wide.with_widths(64, 64).query_in_smem());
-        // 227 KiB per cube on SM90, 163 KiB on SM80.
-        let bytes = wide.backward_shared_bytes(2);
-        assert!(bytes <= 227 * 1024 && bytes > 163 * 1024, "{bytes}");
-        let narrow = narrow_stages(&wide).expect("a narrower shape");
-        assert_eq!(
-            (narrow.block_q, narrow.block_kv, narrow.split),
-            (128, 64, 2)
-        );
-        assert!(!narrow.query_in_smem() && !narrow.with_widths(64, 64).query_in_smem());
-        assert!(narrow.backward_shared_bytes(2) <= 163 * 1024);
-        assert_eq!(narrow_stages(&narrow), None);
-        // Head dim 128 stages 64 rows already.
-        let d128 = key_value_config(TilePath::TensorCore, 128, 128, true);
-        assert_eq!((d128.block_kv, narrow_stages(&d128)), (64, None));
-    }
 }

@@ -12,12 +12,13 @@
 //! default). With `deterministic` off, [`key_value`] instead adds each block's dQ to an f32
 //! accumulator with atomics (FlashAttention-2's scheme) and [`query`] only scales and casts it.
 //! Both main launches share [`walk`], which runs on the forward's tile
-//! ([`AttentionTile`](super::tile::AttentionTile)): tensor cores on CUDA, portable FMAs elsewhere.
+//! ([`AttentionTile`](crate::kernel::tile::AttentionTile)): tensor cores on CUDA, portable FMAs elsewhere.
 //! Where the dK/dV launch's last wave would leave most SMs idle, [`tail`] spreads its cubes'
-//! walks over them.
+//! walks over them. [`plan`] decides all of this on the host; [`launch`] enqueues it.
 
 mod key_value;
 mod launch;
+mod plan;
 mod query;
 mod row_dot;
 mod tail;

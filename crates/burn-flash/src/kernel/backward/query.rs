@@ -5,10 +5,10 @@
 use cubecl::prelude::*;
 
 use super::walk::{Span, Sweep, WalkDims, walk};
+use crate::kernel::band::kv_blocks;
 use crate::kernel::config::TileConfig;
 use crate::kernel::dropout::Dropout;
 use crate::kernel::grid::{batch_and_head, row_block};
-use crate::kernel::mask::kv_blocks;
 use crate::kernel::softmax::Softcap;
 use crate::kernel::tile::AttentionTile;
 

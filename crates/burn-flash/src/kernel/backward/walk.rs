@@ -11,13 +11,12 @@
 
 use cubecl::prelude::*;
 
-use crate::kernel::TilePath;
-use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TailPart, TileConfig};
+use crate::kernel::band::{Band, block_needs_mask, key_visible};
+use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TailPart, TileConfig, TilePath};
 use crate::kernel::dropout::{Dropout, keep_mask};
 use crate::kernel::inputs::{
     Views, add_bias, alibi_slope, mask_input_allows, pair_of, write_bias_grad,
 };
-use crate::kernel::mask::{Band, block_needs_mask, key_visible};
 use crate::kernel::softmax::{Softcap, exp2};
 use crate::kernel::stage::{
     StageBarriers, copy_or_zero_fill, fetch_stage, fetch_stage_tma, load_block, smem_anchor,

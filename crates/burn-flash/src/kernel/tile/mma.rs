@@ -12,9 +12,9 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::{AttentionTile, zero_scores};
-use crate::kernel::config::{CHUNK, MMA_K, MMA_M, MMA_N, SMEM_ALIGN, TileConfig};
-use crate::kernel::stage::{Pitch, copy_block_async, stage_offset, swizzled_offset};
+use super::base::{AttentionTile, zero_scores};
+use crate::kernel::config::{CHUNK, MMA_K, MMA_M, MMA_N, Pitch, SMEM_ALIGN, TileConfig};
+use crate::kernel::stage::{copy_block_async, stage_offset, swizzled_offset};
 
 /// Two 16-bit values in one 32-bit register, or two f32 accumulators: the MMA register unit.
 type Pair<T> = Vector<T, Const<2>>;

@@ -3,7 +3,7 @@
 
 use cubecl::prelude::*;
 
-use super::{AttentionTile, zero_scores};
+use super::base::{AttentionTile, zero_scores};
 use crate::kernel::config::{CHUNK, TileConfig};
 use crate::kernel::stage::{input_offset, stage_offset};
 

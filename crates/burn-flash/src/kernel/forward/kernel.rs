@@ -4,25 +4,27 @@
 //! see to the last, skipping those it hides wholly), and writes the normalised output and the
 //! per-row log-sum-exp.
 //! Grouped-query attention reads the key/value head `head / group` of its query head. A mask or
-//! bias input is read where each score register sits ([`inputs`](super::inputs)); dropout drops
+//! bias input is read where each score register sits ([`inputs`](crate::kernel::inputs)); dropout drops
 //! probabilities after the softmax statistics saw them, so the normaliser and the log-sum-exp
 //! are those of the full row.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::TilePath;
-use super::config::{SMEM_ALIGN, TMA_ALIGN, TileConfig};
-use super::dropout::{Dropout, keep_mask};
-use super::grid::{batch_and_head, row_block};
-use super::inputs::{
+use crate::kernel::band::{Band, kv_blocks};
+use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TileConfig, TilePath};
+use crate::kernel::dropout::{Dropout, keep_mask};
+use crate::kernel::grid::{batch_and_head, row_block};
+use crate::kernel::inputs::{
     Views, add_bias, alibi_slope, block_visible, fetch_bias, fetch_inputs, hidden_row, hide_packed,
     input_stages, packed_block, visible_range,
 };
-use super::mask::{Band, apply_mask, kv_blocks};
-use super::softmax::{RowStats, Softcap, finish, init_stats, online_update, softcap_scores};
-use super::stage::{StageBarriers, fetch_stage, fetch_stage_tma, load_block};
-use super::tile::AttentionTile;
+use crate::kernel::mask::apply_mask;
+use crate::kernel::softmax::{
+    RowStats, Softcap, finish, init_stats, online_update, softcap_scores,
+};
+use crate::kernel::stage::{StageBarriers, fetch_stage, fetch_stage_tma, load_block};
+use crate::kernel::tile::AttentionTile;
 
 /// Where the cube reads and writes, and the lengths that bound it.
 #[derive(CubeType, Clone, Copy)]
