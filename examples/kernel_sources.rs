@@ -3,10 +3,10 @@
 //!
 //! ```text
 //! cargo run --release --features cuda --example kernel_sources -- OUTDIR [--d 64,128]
-//! scripts/kernel-sources.sh OUTDIR   # the same, then NVRTC + ptxas on the fused kernels
+//! scripts/profile/kernel-sources.sh OUTDIR   # the same, then NVRTC + ptxas on the fused kernels
 //! ```
 //!
-//! Register counts, spills and SASS of the kernels (`scripts/ptxas/compile.sh`) need their
+//! Register counts, spills and SASS of the kernels (`scripts/profile/ptxas/compile.sh`) need their
 //! source, which CubeCL only produces inside a launch. This runs the public API (bf16, b 1, h 2,
 //! seq 256, per head dim: forward, then forward + backward with the deterministic and the atomic
 //! dQ, each without and with the causal mask; the atomic one again with its last wave's cubes in

@@ -32,8 +32,11 @@ if [ "${CACHE:-0}" = 1 ]; then
   if [ -e .gpu/cubecl-cache.tar ]; then mkdir -p target && tar -xf .gpu/cubecl-cache.tar -C target; fi
   trap 'tar -cf - -C target . | xz -T0 -6 >"$OUT/cubecl-cache.tar.xz"' EXIT
 fi
-# GPT-2 small in bf16 on the fortunes corpus (docs/gpt.md), the same for every gpt stage.
-GPT=(.gpu/gpt --data /tmp/corpus/fortunes --layers 12 --d-model 768 --heads 12 --dtype bf16
+# GPT-2 small in bf16, the same for every gpt stage: on Debian's fortunes where
+# `scripts/pack-gpu.sh` found them (the corpus of docs/gpt.md's runs), else the built-in corpus.
+DATA=()
+if [ -d /tmp/corpus/fortunes ]; then DATA=(--data /tmp/corpus/fortunes); fi
+GPT=(.gpu/gpt "${DATA[@]}" --layers 12 --d-model 768 --heads 12 --dtype bf16
   --lr 6e-4 --min-lr 6e-5 --log-every 25)
 # A GPT run's time limit: GPT_TIMEOUT, cut so that the script ends by GPT_DEADLINE seconds.
 gpt_limit() {
@@ -273,7 +276,7 @@ EOF
         --n "$n" --causal false --iters 2 --warmup 1 >"$OUT/ours-d$d.log" 2>&1
       ncu --clock-control none --set full --import-source no -f -o "$OUT/fa2-d$d" \
         --kernel-name regex:'flash_fwd_kernel|flash_bwd_dq_dk_dv' --launch-skip 2 \
-        --launch-count 2 python3 scripts/fa2-step.py "$d" "$n" >"$OUT/fa2-d$d.log" 2>&1
+        --launch-count 2 python3 scripts/ab/fa2-step.py "$d" "$n" >"$OUT/fa2-d$d.log" 2>&1
       for r in ours fa2; do
         ncu -i "$OUT/$r-d$d.ncu-rep" --page details --print-units base >"$OUT/$r-d$d.details.txt" 2>&1
         ncu -i "$OUT/$r-d$d.ncu-rep" --page raw --csv >"$OUT/$r-d$d.raw.csv" 2>&1

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The context sweep of `scripts/gpu-run.sh gpt-sweep` as CSV and a markdown table.
 
-    scripts/gpt-sweep-table.py OUT.csv LOG_DIR [LOG_DIR ...]
+    scripts/tables/gpt-sweep-table.py OUT.csv LOG_DIR [LOG_DIR ...]
 
 Reads every gpt-sweep-<attention>-<context>.log: its summary line, or the reason it stopped
 (out of device memory, the time limit, another error).

@@ -5,7 +5,7 @@
 # than BENCH, e.g. the previous tree's), then optional bench flags after a `|`, e.g.
 # "BURN_FLASH_BWD_SPLIT=1", "@.gpu/bench-old base", "BURN_FLASH_DQ_ATOMIC=1 | --atomic-dq".
 #
-#   ROUNDS=2 scripts/env-ab.sh BENCH SPEC... -- BENCH_ARGS...   (writes CSV to stdout)
+#   ROUNDS=2 scripts/ab/env-ab.sh BENCH SPEC... -- BENCH_ARGS...   (writes CSV to stdout)
 set -uo pipefail
 default_bench=$1 && shift
 specs=()

@@ -2,7 +2,7 @@
 """Markdown tables of TFLOPS from benchmark CSVs (columns of torch_sdpa_bench.py), one table per
 mode (fwd, fwdbwd) present in a file.
 
-    scripts/perf-table.py docs/perf/h100.csv [docs/perf/h100-burn-peers.csv]
+    scripts/tables/perf-table.py docs/perf/h100.csv [docs/perf/h100-burn-peers.csv]
 
 Each CSV is one GPU call: ratios are only formed between rows of the same file.
 """

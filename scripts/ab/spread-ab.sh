@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# A/B of two bench binaries over fresh processes, interleaved (scripts/layout-spread.py per
+# A/B of two bench binaries over fresh processes, interleaved (scripts/ab/layout-spread.py per
 # process, so each row carries that process's shared-memory layout of the forward).
 #
-#   scripts/spread-ab.sh ROUNDS OLD NEW -- BENCH_ARGS...   (writes CSV to stdout)
+#   scripts/ab/spread-ab.sh ROUNDS OLD NEW -- BENCH_ARGS...   (writes CSV to stdout)
 set -uo pipefail
 rounds=$1 old=$2 new=$3; shift 4
 echo "binary,round,process,layout,impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Loss curves of examples/gpt as an SVG, with no plotting library.
 
-    scripts/gpt-plot.py OUT.svg LABEL=CURVE.csv [LABEL=CURVE.csv ...]
+    scripts/tables/gpt-plot.py OUT.svg LABEL=CURVE.csv [LABEL=CURVE.csv ...]
 
 Each CSV is the example's `--csv` output (step,lr,train_loss,val_loss). Training loss is drawn
 thin, validation loss (the steps that evaluate) thick with dots, one colour and dash per run.

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Reproduce CubeCL's NVRTC compile of the generated kernels and get ptxas -v numbers.
 #
-#   scripts/ptxas/compile.sh out/flash_forward_*.cu   (sources from `scripts/kernel-sources.sh`,
+#   scripts/profile/ptxas/compile.sh out/flash_forward_*.cu   (sources from `scripts/profile/kernel-sources.sh`,
 #                                                     no GPU, or `scripts/gpu-run.sh sources`)
 #
 # Registers, spills, stack and code size of generated kernels without a GPU: the same NVRTC
-# compile CubeCL does, then ptxas -v, from pip wheels in scripts/ptxas/venv (git-ignored).
+# compile CubeCL does, then ptxas -v, from pip wheels in scripts/profile/ptxas/venv (git-ignored).
 #
 # env:  TOOLKIT=cu13 (default; CUDA 13.0.88 NVRTC+ptxas, matches the target's CUDA 13.0)
 #       TOOLKIT=cu12 (CUDA 12.9.86 NVRTC+ptxas)

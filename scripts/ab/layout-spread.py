@@ -7,7 +7,7 @@ binary in PROCS fresh processes, each with CUBECL_DEBUG_LOG, and prints one CSV 
 process and shape: the forward's layout (`name@offset` of each shared memory, ordered by name)
 beside its time. The distinct sources go to OUT/layouts/ for ptxas.
 
-    scripts/layout-spread.py BENCH PROCS OUT -- BENCH_ARGS...
+    scripts/ab/layout-spread.py BENCH PROCS OUT -- BENCH_ARGS...
 """
 import os, pathlib, re, subprocess, sys
 

@@ -5,7 +5,7 @@ dropout 0.1 (FlashAttention-2), an additive bias `[1, h, n, n]` and a random boo
 bench's shapes (b = 16384 / n, h = 2048 / d). Same CSV and timing as torch_sdpa_bench.py
 (triton's do_bench, median); a backend that refuses a variant prints an error row.
 
-    python3 scripts/peer-features.py [--d 64,128] [--n 2048,8192]
+    python3 scripts/tables/peer-features.py [--d 64,128] [--n 2048,8192]
 """
 import argparse
 

@@ -2,7 +2,7 @@
 """TFLOPS against sequence length from a benchmark CSV, one panel per configuration, as an SVG
 with no plotting library.
 
-    scripts/perf-plot.py docs/perf/h100.csv docs/perf/h100.svg
+    scripts/tables/perf-plot.py docs/perf/h100.csv docs/perf/h100.svg
 
 Panels: forward and forward+backward (rows) by head dim and causality (columns); a line per
 implementation (burn-flash, its `--atomic-dq` rows, PyTorch's FlashAttention-2 and cuDNN

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Warp samples per stall reason, and the opcodes that carry most of each.
 
-    python3 scripts/sass-stalls.py FILE.sass.csv...
+    python3 scripts/profile/sass-stalls.py FILE.sass.csv...
 
 FILE comes from `ncu -i REP --page source --print-source sass --csv` of a `--set full` profile,
 whose per-instruction `stall_*` columns count the warp-state samples taken at that instruction.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Measurement experiment, not a feature: what CubeCL 0.10's lack of a flush-to-zero exp2 costs.
 #
-#   scripts/ftz-exp2-shim.sh CUDA_ROOT SHIM_ROOT
+#   scripts/profile/ftz-exp2-shim.sh CUDA_ROOT SHIM_ROOT
 #   CUDA_PATH=SHIM_ROOT .gpu/bench-attention ...      # same binary, exp2 without the fix-ups
 #
 # CubeCL compiles each kernel with NVRTC against $CUDA_PATH/include (default /usr/local/cuda).
@@ -10,7 +10,7 @@
 # `ex2.approx.ftz.f32`: one MUFU.EX2 instead of the FSETP, two predicated FMULs and the MUFU that
 # NVRTC emits without `--ftz=true`, an option CubeCL does not pass. Subnormal results flush to 0.
 # Nothing ships with it: it only quantifies the missing compiler option (docs/perf-notes.md,
-# tenth session; docs/perf/h100-ftz-exp2.csv).
+# 2026-11-25; docs/perf/archive/h100-ftz-exp2.csv).
 set -euo pipefail
 [ $# -eq 2 ] || { echo "usage: $0 CUDA_ROOT SHIM_ROOT" >&2; exit 2; }
 REAL=$(realpath "$1")/include

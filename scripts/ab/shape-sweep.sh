@@ -4,8 +4,8 @@
 # drift shows as spread rather than as a winner. The overrides are the launch's tuning
 # variables (BURN_FLASH_TC_SHAPE, BURN_FLASH_BWD_SHAPE, BURN_FLASH_BWD_SPLIT, BURN_FLASH_DQ_SHAPE).
 #
-#   scripts/shape-sweep.sh ROUNDS MODE D SPEC...  (SPEC: base | VAR=value[;VAR=value])
-#   e.g. scripts/shape-sweep.sh 2 fwdbwd 64 base BURN_FLASH_DQ_SHAPE=4,16,64
+#   scripts/ab/shape-sweep.sh ROUNDS MODE D SPEC...  (SPEC: base | VAR=value[;VAR=value])
+#   e.g. scripts/ab/shape-sweep.sh 2 fwdbwd 64 base BURN_FLASH_DQ_SHAPE=4,16,64
 set -uo pipefail
 rounds=$1 mode=$2 d=$3; shift 3
 B=${BENCH:-.gpu/bench-attention}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Warp samples by stretch of a kernel's SASS, in program order.
 
-    python3 scripts/sass-phases.py FILE.sass.csv [WINDOW]
+    python3 scripts/profile/sass-phases.py FILE.sass.csv [WINDOW]
 
 FILE comes from `ncu -i REP --page source --print-source sass --csv`. Each row covers WINDOW
 (default 60) consecutive instructions: the share of all warp-state samples, the share of

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Which fused kernels differ between two directories of generated CUDA sources
-(`scripts/kernel-sources.sh` or the `kernel_sources` example run on two trees), ignoring what
+(`scripts/profile/kernel-sources.sh` or the `kernel_sources` example run on two trees), ignoring what
 differs between two runs of the same tree: CubeCL emits shared-memory declarations, vector
 structs and local declarations in hash-set order, and numbers its variables by expansion
 order. Those lines are dropped and the variables renamed by first use, so a refactor that
 leaves every kernel's statements unchanged reports nothing, without a GPU.
 
-    scripts/kernel-diff.py OLD_DIR NEW_DIR [--show N]
+    scripts/profile/kernel-diff.py OLD_DIR NEW_DIR [--show N]
 
 Exit status 1 when a kernel differs (its first N differing lines are shown, default 20), 2
 when a kernel exists on one side only.
