@@ -25,14 +25,16 @@ use gpt::data;
 use gpt::model::GptConfig;
 use gpt::train::{self, Schedule, Settings};
 
-/// Debian's `fortunes` package (`apt-get install fortunes`): about 2.8 MB of text.
-const DEFAULT_DATA: &str = "/usr/share/games/fortunes";
+/// The default corpus, shipped in the binary: Ambrose Bierce's _The Devil's Dictionary_ (1911,
+/// public domain; `data/README.md`), 383 KB.
+const DEFAULT_CORPUS: &[u8] = include_bytes!("../data/devils-dictionary.txt");
+const DEFAULT_NAME: &str = "The Devil's Dictionary (built in)";
 
 const USAGE: &str = "\
 usage: gpt [flags]
 
 data:
-  --data PATH          text file, or directory of text files   [/usr/share/games/fortunes]
+  --data PATH          text file, or directory of text files  [The Devil's Dictionary]
   --val-fraction F     share of the corpus held out for validation          [0.1]
 model:
   --layers N  --d-model N  --heads N                                   [2, 64, 4]
@@ -56,7 +58,8 @@ output:
 ";
 
 struct Args {
-    data: PathBuf,
+    /// The corpus's file or directory; the built-in one when `None`.
+    data: Option<PathBuf>,
     val_fraction: f64,
     layers: usize,
     d_model: usize,
@@ -72,7 +75,7 @@ struct Args {
 
 fn parse_args() -> Result<Option<Args>, String> {
     let mut args = Args {
-        data: PathBuf::from(DEFAULT_DATA),
+        data: None,
         val_fraction: 0.1,
         layers: 2,
         d_model: 64,
@@ -118,7 +121,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         };
         let s = &mut args.settings;
         match flag.as_str() {
-            "--data" => args.data = value.into(),
+            "--data" => args.data = Some(value.into()),
             "--val-fraction" => args.val_fraction = number(&flag, &value)?,
             "--layers" => args.layers = number(&flag, &value)?,
             "--d-model" => args.d_model = number(&flag, &value)?,
@@ -272,17 +275,14 @@ where
     B: burn::tensor::backend::AutodiffBackend + FlashAttentionBackend,
     B::InnerBackend: FlashAttentionBackend,
 {
-    let corpus = data::load_corpus(&args.data).map_err(|e| {
-        format!(
-            "cannot read the corpus {}: {e}{}",
-            args.data.display(),
-            if args.data == std::path::Path::new(DEFAULT_DATA) {
-                " (install it with `sudo apt-get install fortunes`, or give --data PATH)"
-            } else {
-                ""
-            }
-        )
-    })?;
+    let (corpus, corpus_name) = match &args.data {
+        Some(path) => {
+            let corpus = data::load_corpus(path)
+                .map_err(|e| format!("cannot read the corpus {}: {e}", path.display()))?;
+            (corpus, path.display().to_string())
+        }
+        None => (DEFAULT_CORPUS.to_vec(), DEFAULT_NAME.to_string()),
+    };
     let (train_text, val_text) = data::split(&corpus, args.val_fraction);
     if val_text.len() <= args.context {
         return Err(format!(
@@ -293,7 +293,7 @@ where
     }
     println!(
         "data:      {} ({} bytes: {} train, {} validation)",
-        args.data.display(),
+        corpus_name,
         corpus.len(),
         train_text.len(),
         val_text.len()
