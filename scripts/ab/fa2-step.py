@@ -1,5 +1,8 @@
 """Two training steps of PyTorch's FlashAttention-2 backend, bf16, on the bench's shapes
-(b = 16384 / n, h = 2048 / d): the peer `scripts/gpu-run.sh profile` puts beside ours."""
+(b = 16384 / n, h = 2048 / d): the peer `scripts/gpu-run.sh profile` puts beside ours.
+
+    python3 scripts/ab/fa2-step.py D N
+"""
 import sys
 
 import torch

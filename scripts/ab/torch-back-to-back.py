@@ -3,7 +3,10 @@
 torch_sdpa_bench.py): `torch-flash-dobench` by triton's do_bench (events around each call, a
 cache clear before each), `torch-flash-b2b` as our bench times itself (batches of calls back to
 back between two synchronisations, about 20 ms each, three rotating input sets, median per-call
-time). bf16, d 128, n 2048/4096/8192, b = 16384 / n, h = 16, not causal."""
+time). bf16, d 128, n 2048/4096/8192, b = 16384 / n, h = 16, not causal.
+
+    python3 scripts/ab/torch-back-to-back.py > OUT.csv
+"""
 import time
 
 import torch

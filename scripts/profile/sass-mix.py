@@ -2,7 +2,10 @@
 """Instruction mix and stall reasons per kernel from Nsight Compute's source page
 (`ncu -i REPORT --page source --print-source sass --csv`, as `scripts/gpu-run.sh profile`
 writes it): executed warp instructions per opcode, in millions, and the share of each stall
-reason in the warp samples."""
+reason in the warp samples.
+
+    python3 scripts/profile/sass-mix.py FILE.sass.csv...
+"""
 import collections
 import csv
 import sys

@@ -2,7 +2,10 @@
 """Markdown table of each feature's forward TFLOPS against plain attention, from the CSV of
 `scripts/gpu-run.sh features` (rows of one call): one row per feature and head dim, one column
 per (n, causal), each cell `TFLOPS (change vs plain)`. Plain attention is measured first and
-last in the call; the table compares with the mean of the two and shows both."""
+last in the call; the table compares with the mean of the two and shows both.
+
+    scripts/tables/feature-table.py FEATURES.csv [MODE]   (MODE: fwd, the default, or fwdbwd)
+"""
 import csv
 import sys
 

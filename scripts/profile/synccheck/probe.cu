@@ -2,6 +2,8 @@
 // cuda::barrier::arrive_and_wait), to see what compute-sanitizer's synccheck says about it
 // outside our kernels. One block of 128 threads, two barriers used alternately as in the
 // double-buffered K/V pipeline.
+//
+//   nvcc -arch=sm_90a -cubin -o probe.cubin probe.cu   (then run.py under compute-sanitizer)
 #include <cuda/barrier>
 typedef uint64_t uint64;
 typedef unsigned int uint32;

@@ -1,4 +1,7 @@
-"""Load probe.cubin with the CUDA driver API (ctypes) and launch it once; checks the result."""
+"""Load probe.cubin with the CUDA driver API (ctypes) and launch it once; checks the result.
+
+    compute-sanitizer --tool synccheck python3 scripts/profile/synccheck/run.py probe.cubin
+"""
 import ctypes, sys
 cuda = ctypes.CDLL("libcuda.so.1")
 def ok(r):
