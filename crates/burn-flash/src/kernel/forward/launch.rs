@@ -58,14 +58,17 @@ pub fn forward<R: CubeRuntime>(
     let plan = ForwardPlan::new(&DeviceCaps::of(&client, q.dtype), &problem)
         .unwrap_or_else(|reason| panic!("fused attention launched on unsupported input: {reason}"));
     log::debug!("fused forward: {plan}");
-    let ForwardPlan { cfg, pack_mask } = plan;
+    let ForwardPlan {
+        cfg,
+        pack_mask: packs,
+    } = plan;
     let out = output(&q, Shape::new([batch, heads, seq_q, value_dim]), q.dtype);
     let lse = output(&q, Shape::new([batch, heads, seq_q]), DType::F32);
     if out.meta.num_elements() == 0 {
         return (out, lse);
     }
 
-    let (inputs, hidden_blocks) = match (pack_mask, &inputs.mask) {
+    let (inputs, hidden_blocks) = match (packs, &inputs.mask) {
         (true, Some(mask)) => {
             let packed = pack_mask(mask, cfg.block_q, cfg.block_kv);
             let inputs = ScoreInputs {
