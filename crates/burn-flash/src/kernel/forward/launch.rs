@@ -94,69 +94,43 @@ pub fn forward<R: CubeRuntime>(
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernel forms is
     // bounded by the tensors' shapes, and out-of-range rows are clamped or zero-filled.
-    unsafe {
-        match cfg.tile {
-            TilePath::TensorCore => flash_forward::launch_unchecked::<MmaTile, R>(
-                &client,
-                cube_count,
-                cube_dim,
-                address,
-                q.into_tensor_arg(),
-                k.into_tensor_arg(),
-                v.into_tensor_arg(),
-                k_map.into(),
-                v_map.into(),
-                inputs.mask_arg().into(),
-                hidden_blocks
-                    .clone()
-                    .map(CubeTensor::into_tensor_arg)
-                    .into(),
-                inputs.bias_arg().into(),
-                out.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                params.scale,
-                params.left,
-                params.right,
-                params.softcap.unwrap_or(1.0),
-                f32::NEG_INFINITY,
-                seed_lo,
-                seed_hi,
-                threshold,
-                params.alibi_pow2.unwrap_or(1),
-                cfg,
-                dtypes,
-            ),
-            TilePath::Portable => flash_forward::launch_unchecked::<PortableTile, R>(
-                &client,
-                cube_count,
-                cube_dim,
-                address,
-                q.into_tensor_arg(),
-                k.into_tensor_arg(),
-                v.into_tensor_arg(),
-                None.into(),
-                None.into(),
-                inputs.mask_arg().into(),
-                hidden_blocks
-                    .clone()
-                    .map(CubeTensor::into_tensor_arg)
-                    .into(),
-                inputs.bias_arg().into(),
-                out.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                params.scale,
-                params.left,
-                params.right,
-                params.softcap.unwrap_or(1.0),
-                f32::NEG_INFINITY,
-                seed_lo,
-                seed_hi,
-                threshold,
-                params.alibi_pow2.unwrap_or(1),
-                cfg,
-                dtypes,
-            ),
-        }
+    macro_rules! launch {
+        ($tile:ty) => {
+            unsafe {
+                flash_forward::launch_unchecked::<$tile, R>(
+                    &client,
+                    cube_count,
+                    cube_dim,
+                    address,
+                    q.into_tensor_arg(),
+                    k.into_tensor_arg(),
+                    v.into_tensor_arg(),
+                    k_map.into(),
+                    v_map.into(),
+                    inputs.mask_arg().into(),
+                    hidden_blocks.map(CubeTensor::into_tensor_arg).into(),
+                    inputs.bias_arg().into(),
+                    out.clone().into_tensor_arg(),
+                    lse.clone().into_tensor_arg(),
+                    params.scale,
+                    params.left,
+                    params.right,
+                    params.softcap.unwrap_or(1.0),
+                    f32::NEG_INFINITY,
+                    seed_lo,
+                    seed_hi,
+                    threshold,
+                    params.alibi_pow2.unwrap_or(1),
+                    cfg,
+                    dtypes,
+                )
+            }
+        };
+    }
+    // The portable tile never stages by tensor maps: its maps are `None`.
+    match cfg.tile {
+        TilePath::TensorCore => launch!(MmaTile),
+        TilePath::Portable => launch!(PortableTile),
     }
     (out, lse)
 }
