@@ -1,0 +1,359 @@
+//! Launch of the backward: the plan for these inputs on this device ([`plan`](super::plan)),
+//! then the gradients allocated and the kernels enqueued: the row dot `D = rowsum(dO ∘ O)`, the
+//! dK/dV launch (its last wave in pieces where the plan splits it, [`tail`](super::tail)), and
+//! dQ's own launch or the atomic dQ's conversion.
+
+use cubecl::ir::ElemType;
+use cubecl::prelude::*;
+use cubecl::zspace::Shape;
+
+use super::key_value::key_value_grads;
+use super::plan::{BackwardPlan, BackwardProblem};
+use super::query::{finish_query_grads, query_grads};
+use super::row_dot::row_dot;
+use super::tail::{TailSplitLaunch, finish_tail};
+use super::walk::{StridesLaunch, WalkDimsLaunch};
+use crate::kernel::config::{ScoreParams, TailPart, TilePath};
+use crate::kernel::device::DeviceCaps;
+use crate::kernel::grid::{cube_count, cube_dim};
+use crate::kernel::tensors::{
+    F32, KernelTensor, ScoreInputs, address_type, fill_tensor, output, stage_map, tma_aligned,
+    vector_width,
+};
+use crate::kernel::tile::{MmaTile, PortableTile};
+
+/// Whether the fused backward can run inputs of this dtype and head dims on this client, and
+/// with which tile (the same one the forward picks).
+pub fn backward_support(
+    client: &Client,
+    dtype: ElemType,
+    head_dim: usize,
+    value_dim: usize,
+) -> Result<TilePath, String> {
+    super::plan::support(&DeviceCaps::of(client, dtype), dtype, head_dim, value_dim)
+}
+
+/// The [`WalkDims`](super::walk::WalkDims) of a launch over queries `q` and keys `k` that
+/// stages `first` and `second`, with statistics `stats` (`[b, h, seq_q]`).
+fn walk_dims(
+    q: &KernelTensor,
+    k: &KernelTensor,
+    first: &KernelTensor,
+    second: &KernelTensor,
+    stats: &KernelTensor,
+) -> WalkDimsLaunch {
+    let strides = |t: &KernelTensor| {
+        let s = t.meta.strides();
+        StridesLaunch::new(s[0], s[1], s[2])
+    };
+    WalkDimsLaunch::new(
+        q.meta.shape()[2],
+        k.meta.shape()[2],
+        q.meta.shape()[1],
+        k.meta.shape()[1],
+        strides(first),
+        strides(second),
+        strides(stats),
+    )
+}
+
+/// The gradients of one backward: `bias` is the gradient of the scores, `[b, h, sq, sk]` in the
+/// inputs' dtype, when it was asked for (the caller sums it over the bias's broadcast dims).
+pub struct Grads {
+    /// The queries' gradient, `[b, h, sq, d]`.
+    pub q: KernelTensor,
+    /// The keys' gradient, `[b, hkv, sk, d]`, summed over the query heads of each group.
+    pub k: KernelTensor,
+    /// The values' gradient, `[b, hkv, sk, dv]`, summed over the query heads of each group.
+    pub v: KernelTensor,
+    /// The scores' gradient, where it was asked for.
+    pub bias: Option<KernelTensor>,
+}
+
+/// Gradients of the fused attention, from its inputs, its output `out`, its log-sum-exp `lse`
+/// (`[b, h, sq]`, f32) and the output gradient `d_out`. Inputs as for
+/// [`forward`](crate::kernel::forward::forward), accepted by [`backward_support`]. Unless
+/// `deterministic`, dQ is summed by f32 atomics where that is faster and the device can run it
+/// and no bias gradient is asked for (`bias_grad`; it is written by the dQ launch): the
+/// [`DqMode`](super::plan::DqMode) of the plan.
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    q: KernelTensor,
+    k: KernelTensor,
+    v: KernelTensor,
+    inputs: ScoreInputs,
+    out: KernelTensor,
+    lse: KernelTensor,
+    d_out: KernelTensor,
+    params: ScoreParams,
+    deterministic: bool,
+    bias_grad: bool,
+) -> Grads {
+    let [q, k, v, out, lse, d_out] = [q, k, v, out, lse, d_out].map(KernelTensor::into_contiguous);
+    let params = params.with_inputs(inputs.mask_dims(), inputs.bias.is_some());
+    let bias_grad = bias_grad && inputs.bias.is_some();
+    let dims = q.meta.shape().clone();
+    let (batch, heads, seq_q, head_dim) = (dims[0], dims[1], dims[2], dims[3]);
+    let (kv_heads, seq_k, value_dim) = (k.meta.shape()[1], k.meta.shape()[2], v.meta.shape()[3]);
+    let client = q.client.clone();
+    let dtype = q.dtype;
+
+    let d_q = output(&q, Shape::new([batch, heads, seq_q, head_dim]), dtype);
+    let d_k = output(&q, Shape::new([batch, kv_heads, seq_k, head_dim]), dtype);
+    let d_v = output(&q, Shape::new([batch, kv_heads, seq_k, value_dim]), dtype);
+    let delta = output(&q, Shape::new([batch, heads, seq_q]), F32);
+    let d_bias = bias_grad.then(|| {
+        let d_bias = output(&q, Shape::new([batch, heads, seq_q, seq_k]), dtype);
+        // The dQ launch writes the pairs of the blocks it visits; a band skips some.
+        if params.mask.left || params.mask.right {
+            fill_tensor(&d_bias, 0.0);
+        }
+        d_bias
+    });
+    let grads = Grads {
+        q: d_q.clone(),
+        k: d_k.clone(),
+        v: d_v.clone(),
+        bias: d_bias.clone(),
+    };
+    if batch * heads == 0 {
+        return grads;
+    }
+    let problem = BackwardProblem {
+        dtype,
+        batch,
+        heads,
+        kv_heads,
+        seq_q,
+        seq_k,
+        head_dim,
+        value_dim,
+        params,
+        bias_batch: inputs.bias.as_ref().map(|bias| bias.meta.shape()[0]),
+        deterministic,
+        bias_grad,
+        staged_tma_aligned: tma_aligned(&q) && tma_aligned(&d_out),
+    };
+    let plan = BackwardPlan::new(&DeviceCaps::of(&client, dtype), &problem)
+        .unwrap_or_else(|reason| panic!("fused backward launched on unsupported input: {reason}"));
+    log::debug!("fused backward: {plan}");
+    let BackwardPlan {
+        key_value: cfg,
+        query: query_cfg,
+        dq_width,
+        tail,
+        ..
+    } = plan;
+    let tile = cfg.tile;
+    if cfg.tma {
+        crate::testing::record_tma_launch();
+    }
+    crate::testing::record_dq_launch(cfg.atomic_dq);
+    if tail.is_some() {
+        crate::testing::record_tail_split();
+    }
+    let key_blocks = seq_k.div_ceil(cfg.block_q);
+    // The split cubes' partial dK/dV sums, each piece's rows whole (see `tail`).
+    let partials = tail.map(|plan| {
+        output(
+            &q,
+            Shape::new([plan.split * plan.pieces, cfg.block_q, head_dim + value_dim]),
+            F32,
+        )
+    });
+    // The dK/dV launches: the whole grid, or its whole cubes and then the pieces.
+    let key_value_parts = match tail {
+        _ if seq_k == 0 => Vec::new(),
+        None => vec![(cube_count(&cfg, seq_k, kv_heads, batch), cfg, None)],
+        Some(plan) => [
+            (plan.whole > 0).then(|| {
+                let grid = cube_count(&cfg, seq_k, kv_heads, batch);
+                (grid, cfg.with_tail(TailPart::Whole), None)
+            }),
+            Some((
+                CubeCount::Static(plan.pieces as u32, plan.split as u32, 1),
+                cfg.with_tail(TailPart::Pieces),
+                partials.clone(),
+            )),
+        ]
+        .into_iter()
+        .flatten()
+        .collect(),
+    };
+    let grid_rows = if cfg.batch_inner { batch } else { kv_heads };
+    let (whole, pieces) = tail.map_or((0, 1), |plan| (plan.whole, plan.pieces));
+    let tail_split = || {
+        TailSplitLaunch::new(
+            whole as u32,
+            pieces as u32,
+            key_blocks as u32,
+            grid_rows as u32,
+        )
+    };
+    // The atomic dQ's f32 accumulator, contiguous and zeroed (see `key_value`).
+    let accum = cfg.atomic_dq.then(|| {
+        let accum = KernelTensor::empty(&client, Shape::new([batch, heads, seq_q, head_dim]), F32);
+        fill_tensor(&accum, 0.0);
+        accum
+    });
+    // The score inputs and the bias gradient (`[b, h, sq, sk]`) can be the largest tensors.
+    let address = address_type(&[&q, &k, &v, &out, &d_out, &d_q, &d_k, &d_v])
+        .max(inputs.address_type())
+        .max(address_type(&d_bias.iter().collect::<Vec<_>>()));
+    let elem = dtype;
+    let dtypes = [elem, inputs.mask_dtype()];
+    let softcap = params.softcap.unwrap_or(1.0);
+    let (seed_lo, seed_hi, threshold) = params.dropout_args();
+    let alibi_pow2 = params.alibi_pow2.unwrap_or(1);
+    let query_dims = walk_dims(&q, &k, &k, &v, &lse);
+
+    // SAFETY: shapes and strides were validated by the caller; every index the kernels form is
+    // bounded by the tensors' shapes (rows past the ends are clamped, zero-filled or skipped).
+    unsafe {
+        let rows = batch * heads * seq_q;
+        if rows > 0 {
+            let width = vector_width(&[&out, &d_out]);
+            let vectors = value_dim / width;
+            // Planes of 32 lanes on the tensor-core tile's devices; the portable path keeps a
+            // unit per row (no plane operations).
+            let group = match tile {
+                TilePath::TensorCore => vectors.next_power_of_two().min(32),
+                TilePath::Portable => 1,
+            };
+            let units = rows * group;
+            // Whole planes per cube, so that no group straddles two cubes.
+            let cube_dim = CubeDim::new_1d(256);
+            row_dot::launch_unchecked(
+                &client,
+                cubecl::calculate_cube_count_elemwise(&client, units, cube_dim),
+                cube_dim,
+                address,
+                width,
+                out.into_tensor_arg(),
+                d_out.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                vectors,
+                group,
+                elem,
+            );
+        }
+        macro_rules! launch_grads {
+            ($tile:ty) => {{
+                for (grid, part_cfg, part_partials) in key_value_parts.iter().cloned() {
+                    key_value_grads::launch_unchecked::<$tile>(
+                        &client,
+                        grid,
+                        cube_dim(&cfg),
+                        address,
+                        dq_width,
+                        q.clone().into_tensor_arg(),
+                        k.clone().into_tensor_arg(),
+                        v.clone().into_tensor_arg(),
+                        inputs.mask_arg().into(),
+                        inputs.bias_arg().into(),
+                        d_out.clone().into_tensor_arg(),
+                        stage_map(&q, &cfg).into(),
+                        stage_map(&d_out, &cfg).into(),
+                        lse.clone().into_tensor_arg(),
+                        delta.clone().into_tensor_arg(),
+                        d_k.clone().into_tensor_arg(),
+                        d_v.clone().into_tensor_arg(),
+                        match &accum {
+                            Some(accum) => {
+                                ComptimeOptionArgs::Some(accum.clone().into_tensor_arg())
+                            }
+                            None => ComptimeOptionArgs::None,
+                        },
+                        match part_partials {
+                            Some(partials) => ComptimeOptionArgs::Some(partials.into_tensor_arg()),
+                            None => ComptimeOptionArgs::None,
+                        },
+                        walk_dims(&q, &k, &q, &d_out, &lse),
+                        tail_split(),
+                        params.scale,
+                        params.left,
+                        params.right,
+                        softcap,
+                        seed_lo,
+                        seed_hi,
+                        threshold,
+                        alibi_pow2,
+                        part_cfg,
+                        dtypes,
+                    );
+                }
+                if let Some(partials) = partials {
+                    let units = partials.meta.num_elements() / pieces;
+                    let cube_dim = CubeDim::new(&client, units);
+                    finish_tail::launch_unchecked(
+                        &client,
+                        cubecl::calculate_cube_count_elemwise(&client, units, cube_dim),
+                        cube_dim,
+                        address,
+                        partials.into_tensor_arg(),
+                        d_k.clone().into_tensor_arg(),
+                        d_v.clone().into_tensor_arg(),
+                        tail_split(),
+                        seq_k,
+                        params.scale,
+                        cfg,
+                        elem,
+                    );
+                }
+                if let Some(accum) = &accum {
+                    let width = vector_width(&[accum, &d_q]);
+                    let units = batch * heads * seq_q * head_dim / width;
+                    let cube_dim = CubeDim::new(&client, units);
+                    finish_query_grads::launch_unchecked(
+                        &client,
+                        cubecl::calculate_cube_count_elemwise(&client, units, cube_dim),
+                        cube_dim,
+                        address,
+                        width,
+                        accum.clone().into_tensor_arg(),
+                        d_q.clone().into_tensor_arg(),
+                        params.scale,
+                        elem,
+                    );
+                } else if seq_q > 0 {
+                    query_grads::launch_unchecked::<$tile>(
+                        &client,
+                        cube_count(&query_cfg, seq_q, heads, batch),
+                        cube_dim(&query_cfg),
+                        address,
+                        q.into_tensor_arg(),
+                        k.into_tensor_arg(),
+                        v.into_tensor_arg(),
+                        inputs.mask_arg().into(),
+                        inputs.bias_arg().into(),
+                        d_out.into_tensor_arg(),
+                        lse.into_tensor_arg(),
+                        delta.into_tensor_arg(),
+                        d_q.clone().into_tensor_arg(),
+                        d_bias.clone().map(KernelTensor::into_tensor_arg).into(),
+                        query_dims,
+                        params.scale,
+                        params.left,
+                        params.right,
+                        softcap,
+                        seed_lo,
+                        seed_hi,
+                        threshold,
+                        alibi_pow2,
+                        query_cfg,
+                        dtypes,
+                    );
+                }
+            }};
+        }
+        match tile {
+            TilePath::TensorCore => {
+                launch_grads!(MmaTile);
+            }
+            TilePath::Portable => {
+                launch_grads!(PortableTile);
+            }
+        }
+    }
+    grads
+}

@@ -1,0 +1,130 @@
+//! The band of visible keys: masks are aligned bottom-right, as Burn's fallback: the diagonal of
+//! query `i` is key `i + seq_k - seq_q`. The causal mask hides keys right of the diagonal by
+//! more than `right` (0 when only causal), a sliding window hides keys left of it by more than
+//! `left`. Which bounds exist is comptime ([`MaskConfig`]); their offsets are runtime
+//! ([`Band`]). All comparisons add to both sides instead of subtracting, so unsigned indices
+//! never wrap.
+
+use cubecl::prelude::*;
+
+use super::config::{MaskConfig, TileConfig};
+
+/// Lengths and band offsets of one (batch, head).
+#[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
+pub struct Band {
+    pub seq_q: usize,
+    pub seq_k: usize,
+    /// Keys left of the diagonal that stay visible (sliding window; unused without one).
+    pub left: usize,
+    /// Keys right of the diagonal that stay visible (0 for causal; unused without the bound).
+    pub right: usize,
+}
+
+#[cube]
+impl Band {
+    /// The band of queries `q` over keys `k` (`[batch, heads, seq, dim]`) with these offsets.
+    pub fn new<E: Float>(q: &Tensor<E>, k: &Tensor<E>, left: u32, right: u32) -> Band {
+        Band {
+            seq_q: q.shape(2),
+            seq_k: k.shape(2),
+            left: left as usize,
+            right: right as usize,
+        }
+    }
+}
+
+/// Whether query `query` sees key `key` (absolute rows); out-of-range rows see nothing.
+#[cube]
+pub fn key_visible(band: Band, query: usize, key: usize, #[comptime] mask: MaskConfig) -> bool {
+    let mut visible = query < band.seq_q && key < band.seq_k;
+    if comptime!(mask.right) {
+        visible = visible && key + band.seq_q <= query + band.seq_k + band.right;
+    }
+    if comptime!(mask.left) {
+        visible = visible && key + band.seq_q + band.left >= query + band.seq_k;
+    }
+    visible
+}
+
+/// The keys `[start, end)` that some query of `[q_start, q_end)` sees (`q_end > q_start`).
+#[cube]
+pub fn key_range(
+    band: Band,
+    q_start: usize,
+    q_end: usize,
+    #[comptime] mask: MaskConfig,
+) -> (usize, usize) {
+    let mut start = 0usize;
+    let mut end = band.seq_k;
+    if comptime!(mask.right) {
+        // The last query sees keys j < q_end + seq_k + right - seq_q.
+        let reach = q_end + band.seq_k + band.right;
+        end = min(select(reach > band.seq_q, reach - band.seq_q, 0usize), end);
+    }
+    if comptime!(mask.left) {
+        // The first query sees keys j >= q_start + seq_k - seq_q - left.
+        let reach = q_start + band.seq_k;
+        let floor = band.seq_q + band.left;
+        start = min(select(reach > floor, reach - floor, 0usize), end);
+    }
+    (start, end)
+}
+
+/// The queries `[start, end)` that see some key of `[k_start, k_end)` (`k_end > k_start`).
+#[cube]
+pub fn query_range(
+    band: Band,
+    k_start: usize,
+    k_end: usize,
+    #[comptime] mask: MaskConfig,
+) -> (usize, usize) {
+    let mut start = 0usize;
+    let mut end = band.seq_q;
+    if comptime!(mask.left) {
+        // Key j is seen by queries i <= j + seq_q - seq_k + left.
+        let reach = k_end + band.seq_q + band.left;
+        end = min(select(reach > band.seq_k, reach - band.seq_k, 0usize), end);
+    }
+    if comptime!(mask.right) {
+        // Key j is seen by queries i >= j + seq_q - seq_k - right.
+        let reach = k_start + band.seq_q;
+        let floor = band.seq_k + band.right;
+        start = min(select(reach > floor, reach - floor, 0usize), end);
+    }
+    (start, end)
+}
+
+/// Blocks of `cfg.block_kv` keys `[first, end)` the query block starting at `q_start` visits.
+#[cube]
+pub fn kv_blocks(band: Band, q_start: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {
+    let q_end = min(q_start + cfg.block_q, band.seq_q);
+    let (start, end) = key_range(band, q_start, q_end, cfg.mask);
+    (start / cfg.block_kv, end.div_ceil(cfg.block_kv))
+}
+
+/// Whether some pair of the `q_rows` queries from `q_start` and the `kv_rows` keys from
+/// `kv_start` is hidden by the band or out of range: only such blocks are masked by the band
+/// element by element.
+#[cube]
+pub fn block_needs_mask(
+    band: Band,
+    q_start: usize,
+    #[comptime] q_rows: usize,
+    kv_start: usize,
+    #[comptime] kv_rows: usize,
+    #[comptime] mask: MaskConfig,
+) -> bool {
+    let kv_end = kv_start + kv_rows;
+    let q_end = q_start + q_rows;
+    let mut needs = kv_end > band.seq_k || q_end > band.seq_q;
+    if comptime!(mask.right) {
+        // The first query hides keys j >= q_start + 1 + seq_k + right - seq_q.
+        needs = needs || kv_end + band.seq_q > q_start + 1 + band.seq_k + band.right;
+    }
+    if comptime!(mask.left) {
+        // The last query hides keys j < q_end - 1 + seq_k - seq_q - left.
+        needs = needs || kv_start + band.seq_q + band.left + 1 < q_end + band.seq_k;
+    }
+    needs
+}

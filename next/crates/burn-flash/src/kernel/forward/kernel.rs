@@ -1,0 +1,612 @@
+//! Global level of the forward: one cube per (query block, head, batch). The cube loads its
+//! query block once, walks the KV blocks its band lets it see (from the sliding window's left
+//! edge to the causal diagonal; with a packed mask, only from the first block the mask lets it
+//! see to the last, skipping those it hides wholly), and writes the normalised output and the
+//! per-row log-sum-exp.
+//! Grouped-query attention reads the key/value head `head / group` of its query head. A mask or
+//! bias input is read where each score register sits ([`inputs`](crate::kernel::inputs)); dropout drops
+//! probabilities after the softmax statistics saw them, so the normaliser and the log-sum-exp
+//! are those of the full row.
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use crate::kernel::band::{Band, kv_blocks};
+use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TileConfig, TilePath};
+use crate::kernel::dropout::{Dropout, keep_mask};
+use crate::kernel::grid::{batch_and_head, row_block};
+use crate::kernel::inputs::{
+    Views, add_bias, alibi_slope, block_visible, fetch_bias, fetch_inputs, hidden_row, hide_packed,
+    input_stages, packed_block, visible_range,
+};
+use crate::kernel::mask::apply_mask;
+use crate::kernel::softmax::{
+    RowStats, Softcap, finish, init_stats, online_update, softcap_scores,
+};
+use crate::kernel::stage::{StageBarriers, fetch_stage, fetch_stage_tma, load_block};
+use crate::kernel::tile::AttentionTile;
+
+/// Where the cube reads and writes, and the lengths that bound it.
+#[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
+struct Coords {
+    batch: usize,
+    /// The key/value head this query head reads (GQA).
+    kv_head: usize,
+    q_base: usize,
+    k_base: usize,
+    v_base: usize,
+    q_start: usize,
+    band: Band,
+    softcap: Softcap,
+    /// Where this (batch, head) reads the mask and bias inputs.
+    views: Views,
+    /// Where this query block's row of the packed mask's hidden-block flags starts.
+    hidden_row: usize,
+    dropout: Dropout,
+    /// Dropout's key of this (batch, head).
+    head_key: u32,
+    /// ALiBi's slope of this head over the scale.
+    alibi: f32,
+    inv_scale: f32,
+    /// `-inf`, passed in because WGSL has no literal for it.
+    neg_inf: f32,
+}
+
+#[cube(
+    launch_unchecked,
+    address_type = "dynamic",
+    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    k_map: &ComptimeOption<TensorMap<E, Tiled>>,
+    v_map: &ComptimeOption<TensorMap<E, Tiled>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    hidden_blocks: ComptimeOption<&Tensor<u32>>,
+    bias: ComptimeOption<&Tensor<E>>,
+    out: &mut Tensor<E>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    band_left: u32,
+    band_right: u32,
+    softcap: f32,
+    neg_inf: f32,
+    dropout_seed_lo: u32,
+    dropout_seed_hi: u32,
+    dropout_threshold: u32,
+    alibi_pow2: u32,
+    #[comptime] cfg: TileConfig,
+    #[define(E, M)] _dtypes: [ElemType; 2],
+) {
+    let (batch, head) = batch_and_head(cfg);
+    let kv_head = head / (q.shape(1) / k.shape(1));
+    let dropout = Dropout::new(
+        dropout_seed_lo,
+        dropout_seed_hi,
+        dropout_threshold,
+        q.shape(1),
+        k.shape(2),
+    );
+    let block = row_block(cfg);
+    let coords = Coords {
+        batch,
+        kv_head,
+        q_base: batch * q.stride(0) + head * q.stride(1),
+        k_base: batch * k.stride(0) + kv_head * k.stride(1),
+        v_base: batch * v.stride(0) + kv_head * v.stride(1),
+        q_start: block * cfg.block_q,
+        band: Band::new(q, k, band_left, band_right),
+        softcap: Softcap::new(scale, softcap),
+        views: Views::new::<E, M>(mask, bias, batch, head),
+        hidden_row: hidden_row(hidden_blocks, batch, head, block),
+        dropout,
+        head_key: dropout.head_key(batch, head),
+        alibi: alibi_slope(head, alibi_pow2) / scale,
+        inv_scale: 1.0 / scale,
+        neg_inf,
+    };
+
+    // Scores softcapped with nothing added after the cap stay tanh(inner · s): the cap's outer
+    // factor rides in the softmax scale, one multiply per score fewer.
+    let scale = if comptime!(cfg.softcap_outer_in_scale()) {
+        scale * coords.softcap.outer
+    } else {
+        scale
+    };
+    // The band's blocks, narrowed to those a packed mask lets the query block see: read first,
+    // so that the read's latency passes while the stages are set up.
+    let (first, end) = kv_blocks(coords.band, coords.q_start, cfg);
+    let (first, end) = visible_range(hidden_blocks, coords.hidden_row, first, end);
+    let mut stats = init_stats(neg_inf, cfg);
+    let mut acc = Array::<f32>::new(cfg.out_regs());
+    #[unroll]
+    for reg in 0..cfg.out_regs() {
+        acc[reg] = 0.0;
+    }
+
+    let mut query = if comptime!(cfg.tile == TilePath::TensorCore) {
+        kv_loop_pipelined::<E, M, T>(
+            q,
+            k,
+            v,
+            k_map,
+            v_map,
+            mask,
+            hidden_blocks,
+            bias,
+            coords,
+            first,
+            end,
+            scale,
+            &mut stats,
+            &mut acc,
+            cfg,
+        )
+    } else {
+        kv_loop::<E, M, T>(
+            q, k, v, mask, bias, coords, first, end, scale, &mut stats, &mut acc, cfg,
+        )
+    };
+
+    let (mut inv_sum, row_lse) = finish::<E, T>(&stats, scale, neg_inf, cfg);
+    if comptime!(cfg.dropout) {
+        #[unroll]
+        for slot in 0..cfg.rows_per_unit() {
+            inv_sum[slot] *= coords.dropout.scale;
+        }
+    }
+    #[unroll]
+    for reg in 0..cfg.out_regs() {
+        acc[reg] *= inv_sum[comptime!(cfg.out_slot(reg))];
+    }
+    let out_base = batch * out.stride(0) + head * out.stride(1);
+    if comptime!(cfg.value_stride() <= cfg.head_stride()) {
+        // The query block is done with: its shared memory stages the output rows.
+        T::store_owned(
+            &mut query,
+            &acc,
+            1.0,
+            out,
+            out_base,
+            coords.q_start,
+            coords.band.seq_q,
+            cfg,
+        );
+    } else {
+        // Values wider than queries: the output does not fit in the query block.
+        let out_row = out.stride(2);
+        #[unroll]
+        for reg in 0..cfg.out_regs() {
+            let (row, col) = T::out_position(reg, cfg);
+            let query_row = coords.q_start + row;
+            if query_row < coords.band.seq_q {
+                out[out_base + query_row * out_row + col] = E::cast_from(acc[reg]);
+            }
+        }
+    }
+    if T::writes_row_stats() {
+        let lse_base = batch * lse.stride(0) + head * lse.stride(1);
+        let lse_row = lse.stride(2);
+        #[unroll]
+        for slot in 0..cfg.rows_per_unit() {
+            let query_row = coords.q_start + T::slot_row(slot, cfg);
+            if query_row < coords.band.seq_q {
+                lse[lse_base + query_row * lse_row] = row_lse[slot];
+            }
+        }
+    }
+}
+
+/// Scores, bias, masking, online softmax and P·V for the KV block staged at `stage` (with its
+/// mask and bias blocks, where those are staged; a single-stage bias block lands on
+/// `bias_ready` while the scores are computed).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
+    query: &T::Query,
+    mask: ComptimeOption<&Tensor<M>>,
+    bias: ComptimeOption<&Tensor<E>>,
+    mask_stages: &ComptimeOption<Shared<[M]>>,
+    bias_stages: &ComptimeOption<Shared<[E]>>,
+    bias_ready: &ComptimeOption<Shared<Barrier>>,
+    keys: &Shared<[E]>,
+    values: &Shared<[E]>,
+    stage: usize,
+    kv_start: usize,
+    coords: Coords,
+    bias_factor: &T::StagedFactor,
+    scale: f32,
+    stats: &mut RowStats,
+    acc: &mut Array<f32>,
+    #[comptime] cfg: TileConfig,
+) {
+    let packed = packed_block::<E, M, T>(mask_stages, stage * comptime!(cfg.mask_stage_len()), cfg);
+    let mut scores = T::scores(query, keys, stage * cfg.block_kv * cfg.head_stride(), cfg);
+    if comptime!(cfg.softcap) {
+        softcap_scores(
+            &mut scores,
+            coords.softcap,
+            cfg.score_regs(),
+            cfg.softcap_outer_in_scale(),
+        );
+    }
+    #[comptime]
+    if let ComptimeOption::Some(ready) = bias_ready {
+        ready.arrive_and_wait();
+    }
+    #[comptime]
+    if let ComptimeOption::Some(stages) = bias_stages {
+        let bias_stage = stage % comptime!(cfg.staged.bias_stages());
+        T::add_staged(
+            &mut scores,
+            stages,
+            bias_stage * comptime!(cfg.block_q * cfg.block_kv),
+            bias_factor,
+            cfg,
+        );
+    }
+    add_bias::<E, T>(
+        &mut scores,
+        bias,
+        coords.views.bias,
+        coords.band,
+        coords.q_start,
+        kv_start,
+        coords.inv_scale,
+        coords.alibi,
+        false,
+        cfg,
+    );
+    apply_mask::<E, M, T>(
+        &mut scores,
+        mask,
+        mask_stages,
+        stage * comptime!(cfg.mask_stage_len()),
+        coords.views.mask,
+        coords.band,
+        coords.q_start,
+        kv_start,
+        coords.neg_inf,
+        cfg,
+    );
+    if comptime!(cfg.mask.packed) {
+        hide_packed::<E, T>(&mut scores, &packed, coords.neg_inf, cfg);
+    }
+    online_update::<E, T>(&mut scores, stats, acc, scale, coords.neg_inf, cfg);
+    if comptime!(cfg.dropout) {
+        let keep = keep_mask::<E, T>(
+            &coords.dropout,
+            coords.head_key,
+            coords.q_start,
+            kv_start,
+            false,
+            cfg,
+        );
+        #[unroll]
+        for reg in 0..cfg.score_regs() {
+            scores[reg] = select(keep[reg], scores[reg], 0.0);
+        }
+    }
+    T::accumulate(
+        &scores,
+        values,
+        stage * cfg.block_kv * cfg.value_stride(),
+        acc,
+        cfg,
+    );
+}
+
+/// Blocks `[first, end)` through two shared-memory stages filled by asynchronous copies (K and V
+/// by `k_map` and `v_map` with `cfg.tma`): block
+/// `j + 1` (with its staged mask and bias blocks) is in flight while block `j` is computed. The
+/// query block loads while the first KV block is in flight; it is returned for the epilogue.
+/// Blocks a packed mask hides wholly from the query block are neither fetched nor computed;
+/// their iterations only keep the stages' barriers in step.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    k_map: &ComptimeOption<TensorMap<E, Tiled>>,
+    v_map: &ComptimeOption<TensorMap<E, Tiled>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    hidden_blocks: ComptimeOption<&Tensor<u32>>,
+    bias: ComptimeOption<&Tensor<E>>,
+    coords: Coords,
+    first: usize,
+    end: usize,
+    scale: f32,
+    stats: &mut RowStats,
+    acc: &mut Array<f32>,
+    #[comptime] cfg: TileConfig,
+) -> T::Query {
+    let stage_align = comptime!(if cfg.tma { TMA_ALIGN } else { SMEM_ALIGN });
+    let mut keys = Shared::<[E]>::new_aligned_slice(
+        comptime!(2 * cfg.block_kv * cfg.head_stride()),
+        stage_align,
+    );
+    let mut values = Shared::<[E]>::new_aligned_slice(
+        comptime!(2 * cfg.block_kv * cfg.value_stride()),
+        stage_align,
+    );
+    let mut mask_stages = input_stages::<M>(cfg.staged.mask, cfg.mask_stage_len(), 2usize);
+    let mut bias_stages = input_stages::<E>(
+        cfg.staged.bias,
+        cfg.block_q * cfg.block_kv,
+        cfg.staged.bias_stages(),
+    );
+    let barriers = StageBarriers::new();
+    if comptime!(cfg.tma) {
+        // The copy engine completes on the barriers: their initialisation must be visible to it.
+        sync_async_proxy_shared();
+    }
+    let bias_ready = single_bias_barrier(cfg);
+    let bias_factor = T::staged_factor(coords.inv_scale, cfg);
+    sync_cube();
+
+    // A packed mask's block flags are read an iteration before the one that fetches the block,
+    // so that a load lands behind a block's products, not in front of the next fetch. Reads
+    // are clamped into the range (the kernel's `&&` evaluates both sides).
+    let row = coords.hidden_row;
+    let last = max(end, 1) - 1;
+    let mut visible = first < end && block_visible(hidden_blocks, row, min(first, last));
+    let mut visible_next = block_visible(hidden_blocks, row, min(first + 1, last));
+    if visible {
+        fetch_block::<E, M>(
+            k,
+            v,
+            k_map,
+            v_map,
+            mask,
+            bias,
+            coords,
+            &mut keys,
+            &mut values,
+            &mut mask_stages,
+            &mut bias_stages,
+            first,
+            0,
+            &barriers,
+            cfg,
+        );
+    }
+    let query = T::load_query(q, coords.q_base, coords.q_start, coords.band.seq_q, cfg);
+    for block in first..end {
+        let stage = (block - first) % 2;
+        barriers.wait(stage);
+        let visible_after = block_visible(hidden_blocks, row, min(block + 2, last));
+        // Every unit is past the previous block: a single-stage bias may be refilled. Its
+        // copies are issued before the next block's, which its barrier must not wait for.
+        if visible {
+            fetch_single_bias::<E>(
+                bias,
+                &mut bias_stages,
+                &bias_ready,
+                coords,
+                block * cfg.block_kv,
+                cfg,
+            );
+        }
+        if block + 1 < end && visible_next {
+            fetch_block::<E, M>(
+                k,
+                v,
+                k_map,
+                v_map,
+                mask,
+                bias,
+                coords,
+                &mut keys,
+                &mut values,
+                &mut mask_stages,
+                &mut bias_stages,
+                block + 1,
+                1 - stage,
+                &barriers,
+                cfg,
+            );
+        }
+        if visible {
+            attend_block::<E, M, T>(
+                &query,
+                mask,
+                bias,
+                &mask_stages,
+                &bias_stages,
+                &bias_ready,
+                &keys,
+                &values,
+                stage,
+                block * cfg.block_kv,
+                coords,
+                &bias_factor,
+                scale,
+                stats,
+                acc,
+                cfg,
+            );
+        }
+        visible = visible_next;
+        visible_next = visible_after;
+    }
+    query
+}
+
+/// Issue the asynchronous copies of KV block `block` (its keys and values, and its blocks of the
+/// staged mask and bias) into stage `stage`, completing on that stage's barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fetch_block<E: Float, M: Int>(
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    k_map: &ComptimeOption<TensorMap<E, Tiled>>,
+    v_map: &ComptimeOption<TensorMap<E, Tiled>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    bias: ComptimeOption<&Tensor<E>>,
+    coords: Coords,
+    keys: &mut Shared<[E]>,
+    values: &mut Shared<[E]>,
+    mask_stages: &mut ComptimeOption<Shared<[M]>>,
+    bias_stages: &mut ComptimeOption<Shared<[E]>>,
+    block: usize,
+    stage: usize,
+    barriers: &StageBarriers,
+    #[comptime] cfg: TileConfig,
+) {
+    let kv_start = block * cfg.block_kv;
+    #[comptime]
+    if let (ComptimeOption::Some(k_map), ComptimeOption::Some(v_map)) = (k_map, v_map) {
+        fetch_stage_tma::<E>(
+            k_map,
+            v_map,
+            coords.batch,
+            coords.kv_head,
+            kv_start,
+            keys,
+            values,
+            stage,
+            barriers,
+            cfg,
+        );
+    } else {
+        fetch_stage::<E>(
+            k,
+            coords.k_base,
+            k.stride(2),
+            v,
+            coords.v_base,
+            v.stride(2),
+            kv_start,
+            coords.band.seq_k,
+            keys,
+            values,
+            stage,
+            cfg,
+        );
+    }
+    fetch_inputs::<E, M>(
+        mask,
+        bias,
+        mask_stages,
+        bias_stages,
+        coords.views,
+        coords.band,
+        coords.q_start,
+        kv_start,
+        stage,
+        cfg,
+    );
+    barriers.commit(stage);
+}
+
+/// Issue the copies of the single-stage bias block of the keys from `kv_start`, completing on
+/// `bias_ready`, if the bias is staged that way.
+#[cube]
+fn fetch_single_bias<E: Float>(
+    bias: ComptimeOption<&Tensor<E>>,
+    bias_stages: &mut ComptimeOption<Shared<[E]>>,
+    bias_ready: &ComptimeOption<Shared<Barrier>>,
+    coords: Coords,
+    kv_start: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    #[comptime]
+    if let ComptimeOption::Some(ready) = bias_ready {
+        fetch_bias::<E>(
+            bias,
+            bias_stages,
+            coords.views,
+            coords.band,
+            coords.q_start,
+            kv_start,
+            0usize,
+            cfg,
+        );
+        ready.commit_copy_async();
+    }
+}
+
+/// The barrier a single-stage bias block lands on, if the bias is staged that way.
+#[cube]
+fn single_bias_barrier(#[comptime] cfg: TileConfig) -> ComptimeOption<Shared<Barrier>> {
+    if comptime!(cfg.staged.bias.is_some() && cfg.staged.bias_single) {
+        ComptimeOption::new_Some(Barrier::shared(CUBE_DIM, UNIT_POS == 0))
+    } else {
+        ComptimeOption::new_None()
+    }
+}
+
+/// Blocks `[first, end)` through one shared-memory stage filled by plain loads, the cube
+/// synchronised around it; the query rows are returned for the epilogue.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    mask: ComptimeOption<&Tensor<M>>,
+    bias: ComptimeOption<&Tensor<E>>,
+    coords: Coords,
+    first: usize,
+    end: usize,
+    scale: f32,
+    stats: &mut RowStats,
+    acc: &mut Array<f32>,
+    #[comptime] cfg: TileConfig,
+) -> T::Query {
+    let query = T::load_query(q, coords.q_base, coords.q_start, coords.band.seq_q, cfg);
+    let bias_factor = T::staged_factor(coords.inv_scale, cfg);
+    let mut keys = Shared::<[E]>::new_slice(cfg.block_kv * cfg.head_dim);
+    let mut values = Shared::<[E]>::new_slice(cfg.block_kv * cfg.value_dim);
+    for block in first..end {
+        let first_row = block * cfg.block_kv;
+        sync_cube();
+        load_block::<E>(
+            k,
+            coords.k_base,
+            first_row,
+            coords.band.seq_k,
+            &mut keys,
+            cfg.block_kv,
+            cfg.head_dim,
+            cfg.units(),
+            cfg.swizzle(),
+        );
+        load_block::<E>(
+            v,
+            coords.v_base,
+            first_row,
+            coords.band.seq_k,
+            &mut values,
+            cfg.block_kv,
+            cfg.value_dim,
+            cfg.units(),
+            cfg.swizzle(),
+        );
+        sync_cube();
+        attend_block::<E, M, T>(
+            &query,
+            mask,
+            bias,
+            &ComptimeOption::new_None(),
+            &ComptimeOption::new_None(),
+            &ComptimeOption::new_None(),
+            &keys,
+            &values,
+            0,
+            first_row,
+            coords,
+            &bias_factor,
+            scale,
+            stats,
+            acc,
+            cfg,
+        );
+    }
+    query
+}

@@ -1,0 +1,141 @@
+//! Launch of the forward: the plan for these inputs on this device ([`plan`](super::plan)),
+//! then the outputs allocated, the mask packed where the plan says, and the kernel enqueued.
+
+use cubecl::ir::ElemType;
+use cubecl::prelude::*;
+use cubecl::zspace::Shape;
+
+use super::kernel::flash_forward;
+use super::plan::{ForwardPlan, ForwardProblem};
+use crate::kernel::config::{ScoreParams, TilePath};
+use crate::kernel::device::DeviceCaps;
+use crate::kernel::grid::{cube_count, cube_dim};
+use crate::kernel::pack::pack_mask;
+use crate::kernel::tensors::{
+    F32, KernelTensor, ScoreInputs, address_type, output, stage_map, tma_aligned,
+};
+use crate::kernel::tile::{MmaTile, PortableTile};
+
+/// Decide whether the fused forward can run inputs of this dtype and head dims on this client,
+/// and with which tile. `Err` carries the reason the caller logs before taking the fallback.
+pub fn support(
+    client: &Client,
+    dtype: ElemType,
+    head_dim: usize,
+    value_dim: usize,
+) -> Result<TilePath, String> {
+    super::plan::support(&DeviceCaps::of(client, dtype), dtype, head_dim, value_dim)
+}
+
+/// Run the fused forward. `q: [b, h, sq, d]`, `k: [b, hkv, sk, d]`, `v: [b, hkv, sk, dv]` (`h`
+/// a multiple of `hkv`), on one device with one dtype, accepted by [`support`]; the optional
+/// boolean `mask` (`true` hides) and additive `bias` (the inputs' dtype) are
+/// `[b|1, h|1, sq|1, sk]`. Returns the output `[b, h, sq, dv]` in the input dtype and the
+/// log-sum-exp `[b, h, sq]` in f32 (natural log of Σ exp(scale·s + bias) over the visible keys,
+/// `s` softcapped; `-inf` for rows that see no key, whose output is 0).
+pub fn forward(
+    q: KernelTensor,
+    k: KernelTensor,
+    v: KernelTensor,
+    inputs: ScoreInputs,
+    params: ScoreParams,
+) -> (KernelTensor, KernelTensor) {
+    let (q, k, v) = (
+        q.into_contiguous(),
+        k.into_contiguous(),
+        v.into_contiguous(),
+    );
+    let params = params.with_inputs(inputs.mask_dims(), inputs.bias.is_some());
+    let dims = q.meta.shape().clone();
+    let (batch, heads, seq_q, head_dim) = (dims[0], dims[1], dims[2], dims[3]);
+    let value_dim = v.meta.shape()[3];
+    let client = q.client.clone();
+
+    let problem = ForwardProblem {
+        dtype: q.dtype,
+        batch,
+        head_dim,
+        value_dim,
+        params,
+        inputs: inputs.facts(),
+        kv_tma_aligned: tma_aligned(&k) && tma_aligned(&v),
+    };
+    let plan = ForwardPlan::new(&DeviceCaps::of(&client, q.dtype), &problem)
+        .unwrap_or_else(|reason| panic!("fused attention launched on unsupported input: {reason}"));
+    log::debug!("fused forward: {plan}");
+    let ForwardPlan {
+        cfg,
+        pack_mask: packs,
+    } = plan;
+    let out = output(&q, Shape::new([batch, heads, seq_q, value_dim]), q.dtype);
+    let lse = output(&q, Shape::new([batch, heads, seq_q]), F32);
+    if out.meta.num_elements() == 0 {
+        return (out, lse);
+    }
+
+    let (inputs, hidden_blocks) = match (packs, &inputs.mask) {
+        (true, Some(mask)) => {
+            let packed = pack_mask(mask, cfg.block_q, cfg.block_kv);
+            let inputs = ScoreInputs {
+                mask: Some(packed.words),
+                ..inputs
+            };
+            (inputs, Some(packed.hidden_blocks))
+        }
+        _ => (inputs, None),
+    };
+    if cfg.tma {
+        crate::testing::record_tma_launch();
+    }
+    let (k_map, v_map) = (stage_map(&k, &cfg), stage_map(&v, &cfg));
+    let cube_dim = cube_dim(&cfg);
+    let cube_count = cube_count(&cfg, seq_q, heads, batch);
+    // The score inputs can be the largest tensors of the launch (`[b, h, sq, sk]`).
+    let address = address_type(&[&q, &k, &v, &out])
+        .max(inputs.address_type())
+        .max(address_type(&hidden_blocks.iter().collect::<Vec<_>>()));
+    let dtypes = [q.dtype, inputs.mask_dtype()];
+    let (seed_lo, seed_hi, threshold) = params.dropout_args();
+
+    // SAFETY: shapes and strides were validated by the caller; every index the kernel forms is
+    // bounded by the tensors' shapes, and out-of-range rows are clamped or zero-filled.
+    macro_rules! launch {
+        ($tile:ty) => {
+            unsafe {
+                flash_forward::launch_unchecked::<$tile>(
+                    &client,
+                    cube_count,
+                    cube_dim,
+                    address,
+                    q.into_tensor_arg(),
+                    k.into_tensor_arg(),
+                    v.into_tensor_arg(),
+                    k_map.into(),
+                    v_map.into(),
+                    inputs.mask_arg().into(),
+                    hidden_blocks.map(KernelTensor::into_tensor_arg).into(),
+                    inputs.bias_arg().into(),
+                    out.clone().into_tensor_arg(),
+                    lse.clone().into_tensor_arg(),
+                    params.scale,
+                    params.left,
+                    params.right,
+                    params.softcap.unwrap_or(1.0),
+                    f32::NEG_INFINITY,
+                    seed_lo,
+                    seed_hi,
+                    threshold,
+                    params.alibi_pow2.unwrap_or(1),
+                    cfg,
+                    dtypes,
+                )
+            }
+        };
+    }
+    // The portable tile never stages by tensor maps: its maps are `None`.
+    match cfg.tile {
+        TilePath::TensorCore => launch!(MmaTile),
+        TilePath::Portable => launch!(PortableTile),
+    }
+    (out, lse)
+}

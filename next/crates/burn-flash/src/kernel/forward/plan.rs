@@ -1,0 +1,391 @@
+//! How a forward runs, decided on the host from the device's features ([`DeviceCaps`]) and what
+//! is known of the inputs: the tile, the block shapes, which score inputs are staged in shared
+//! memory (a per-pair mask packed into bits first), how a staged bias is added, the grid's
+//! order and whether K and V arrive by tensor maps. [`launch`](super::launch) allocates and
+//! enqueues what the plan says.
+
+use std::fmt;
+use std::sync::OnceLock;
+
+use cubecl::ir::ElemType;
+
+use crate::kernel::config::{BiasAdd, ScoreParams, Staged, TileConfig, TilePath};
+use crate::kernel::device::DeviceCaps;
+use crate::kernel::grid::batch_inner;
+use crate::kernel::tensors::{BF16, F32, InputFacts, ScoreFacts, U32};
+use crate::kernel::tuning::{choice_override, flag_override, shape_override};
+
+/// What the forward plan is decided on, beside the device.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardProblem {
+    pub dtype: ElemType,
+    pub batch: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    /// The score parameters, with the inputs' ([`ScoreParams::with_inputs`]).
+    pub params: ScoreParams,
+    pub inputs: ScoreFacts,
+    /// K and V can be read through tensor maps ([`tma_aligned`](crate::kernel::tensors::tma_aligned)).
+    pub kv_tma_aligned: bool,
+}
+
+/// A forward launch, as planned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForwardPlan {
+    /// Everything the kernel specialises on: tile, blocks, staging, grid order, tensor maps.
+    pub cfg: TileConfig,
+    /// The mask is packed into bits first ([`pack`](crate::kernel::pack)); `cfg.mask.packed`.
+    pub pack_mask: bool,
+}
+
+/// Whether the fused forward can run inputs of this dtype and head dims on this device, and
+/// with which tile. `Err` carries the reason the caller logs before taking the fallback.
+pub fn support(
+    caps: &DeviceCaps,
+    dtype: ElemType,
+    head_dim: usize,
+    value_dim: usize,
+) -> Result<TilePath, String> {
+    let tile = caps.tile(dtype, head_dim, value_dim)?;
+    let cfg = block_shapes(tile, head_dim, value_dim);
+    caps.fits_shared("forward", cfg.shared_bytes(dtype.size()))?;
+    Ok(tile)
+}
+
+impl ForwardPlan {
+    /// The plan of `problem` on `caps`; `Err` where [`support`] refuses it.
+    pub fn new(caps: &DeviceCaps, problem: &ForwardProblem) -> Result<Self, String> {
+        let ForwardProblem { dtype, params, .. } = *problem;
+        let tile = support(caps, dtype, problem.head_dim, problem.value_dim)?;
+        let cfg = block_shapes(tile, problem.head_dim, problem.value_dim)
+            .with_scores(&params)
+            .with_bounded_max(params.softcap, dtype == BF16 || dtype == F32);
+        let (cfg, pack_mask) = stage_inputs(caps, cfg, &problem.inputs, dtype);
+        let cfg = match cfg.staged.bias {
+            Some(_) => cfg.with_staged(Staged {
+                bias_add: bias_add(params.scale, dtype),
+                ..cfg.staged
+            }),
+            None => cfg,
+        };
+        let bias_batch = problem.inputs.bias.map(|bias| bias.dims[0]);
+        let cfg = cfg.with_batch_inner(batch_inner(bias_batch, problem.batch));
+        let forward_bytes = |cfg: &TileConfig| cfg.shared_bytes(dtype.size());
+        let cfg = if tma_staging(caps, &cfg, problem.kv_tma_aligned, forward_bytes) {
+            cfg.with_tma()
+        } else {
+            cfg
+        };
+        Ok(Self { cfg, pack_mask })
+    }
+}
+
+impl fmt::Display for ForwardPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let cfg = &self.cfg;
+        write!(
+            f,
+            "{:?} tile: {} queries × {}-key stages, {} planes",
+            cfg.tile, cfg.block_q, cfg.block_kv, cfg.planes
+        )?;
+        if cfg.tma {
+            write!(f, ", K and V by tensor maps")?;
+        }
+        match (self.pack_mask, cfg.staged.mask, cfg.staged.bias) {
+            (true, _, _) => write!(f, ", mask packed into bits and staged")?,
+            (false, Some(_), _) => write!(f, ", mask staged")?,
+            _ => {}
+        }
+        if cfg.staged.bias.is_some() {
+            write!(f, ", bias staged ({:?})", cfg.staged.bias_add)?;
+        }
+        if cfg.batch_inner {
+            write!(f, ", batches before heads")?;
+        }
+        Ok(())
+    }
+}
+
+/// The block shapes of a forward launch on `tile`.
+fn block_shapes(tile: TilePath, head_dim: usize, value_dim: usize) -> TileConfig {
+    match tile {
+        TilePath::TensorCore => tensor_core_shapes(head_dim, value_dim),
+        TilePath::Portable => TileConfig::portable(head_dim, value_dim),
+    }
+}
+
+/// Block shapes of the tensor-core forward. Up to head dim 128: 4 planes of 32 query rows
+/// (128-row query blocks) over 64-key stages, the shape measured fastest on the H100 at head
+/// dims 64 and 128 (`docs/perf-notes.md`). Wider heads: 8 planes of 16 rows, so that each unit's
+/// output accumulators (16 rows × the value dim per plane) stay at 128 registers.
+/// `BURN_FLASH_TC_SHAPE=planes,plane_rows,block_kv` overrides them for tuning runs.
+fn tensor_core_shapes(head_dim: usize, value_dim: usize) -> TileConfig {
+    static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
+    let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_TC_SHAPE"));
+    let default = if head_dim.max(value_dim) > 128 {
+        (8, 16, 64)
+    } else {
+        (4, 32, 64)
+    };
+    let (planes, plane_rows, block_kv) = shape.unwrap_or(default);
+    TileConfig::tensor_core(head_dim, value_dim, planes, plane_rows, block_kv)
+}
+
+/// Whether a launch with blocks `cfg` stages its staged operands (K and V in the forward, Q and
+/// dO in the dK/dV launch) by tensor maps ([`TileConfig::tma`]): the device has the copy engine
+/// (CUDA from SM90), the blocks allow it, the operands are `aligned` as a tensor map needs, and
+/// the cube's shared memory (`shared_bytes`) still fits with the stages' 1024-byte alignment.
+/// Otherwise every unit issues its 16-byte copies, as while a
+/// [`avoid_tma`](crate::testing::avoid_tma) guard lives or with `BURN_FLASH_TMA=0` (tuning
+/// runs).
+pub(crate) fn tma_staging(
+    caps: &DeviceCaps,
+    cfg: &TileConfig,
+    aligned: bool,
+    shared_bytes: impl Fn(&TileConfig) -> usize,
+) -> bool {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    let wanted = OVERRIDE
+        .get_or_init(|| flag_override("BURN_FLASH_TMA"))
+        .unwrap_or(true);
+    wanted
+        && !crate::testing::tma_avoided()
+        && caps.tma
+        && cfg.can_stage_by_tma()
+        && aligned
+        && caps
+            .fits_shared("tensor-map staged", shared_bytes(&cfg.with_tma()))
+            .is_ok()
+}
+
+/// `cfg` with the score inputs it stages, and whether the mask is packed into bits first: a
+/// per-pair mask where the tensor-core forward stages it, so that it also skips the blocks the
+/// mask hides wholly.
+fn stage_inputs(
+    caps: &DeviceCaps,
+    cfg: TileConfig,
+    inputs: &ScoreFacts,
+    dtype: ElemType,
+) -> (TileConfig, bool) {
+    let packs = cfg.tile == TilePath::TensorCore
+        && cfg.mask.tensor
+        && !cfg.mask.per_key
+        && cfg.block_kv.is_multiple_of(32);
+    if packs {
+        let packed_cfg = cfg.with_packed_mask(true);
+        let staged = staging(caps, &packed_cfg, inputs, dtype);
+        if staged.mask.is_some() {
+            return (packed_cfg.with_staged(staged), true);
+        }
+    }
+    let staged = staging(caps, &cfg, inputs, dtype);
+    (cfg.with_staged(staged), false)
+}
+
+/// The score inputs the tensor-core forward stages in shared memory ([`Staged`]): a packed mask
+/// (always whole 16-byte chunks), an unpacked mask and a bias whose rows are whole 16-byte chunks
+/// (`seq_k` a multiple of the chunk: every stride of a contiguous input is a multiple of
+/// `seq_k`, and buffers start aligned), a bias only where a block's row fills whole 128-byte
+/// lines (its `ldmatrix` swizzle), as many of them as the device's shared memory holds beside
+/// the K/V stages (the mask first, the smaller). The others are read in place. The bias gets one
+/// stage instead of two where that keeps more cubes per SM (head dim 128 on an H100).
+/// `BURN_FLASH_STAGE_INPUTS=0` reads both in place (tuning runs).
+fn staging(caps: &DeviceCaps, cfg: &TileConfig, inputs: &ScoreFacts, dtype: ElemType) -> Staged {
+    static DISABLED: OnceLock<bool> = OnceLock::new();
+    let disabled =
+        DISABLED.get_or_init(|| std::env::var("BURN_FLASH_STAGE_INPUTS").is_ok_and(|v| v == "0"));
+    if cfg.tile != TilePath::TensorCore || *disabled {
+        return Staged::default();
+    }
+    let chunk = |input: Option<InputFacts>| {
+        let input = input?;
+        let chunk = 16 / input.elem_size;
+        let seq_k = input.dims[3];
+        (seq_k.is_multiple_of(chunk) && cfg.block_kv.is_multiple_of(chunk)).then_some(chunk)
+    };
+    let mask = if cfg.mask.packed {
+        inputs.mask.map(|_| 16 / U32.size())
+    } else {
+        chunk(inputs.mask)
+    };
+    let bias = chunk(inputs.bias).filter(|&chunk| (cfg.block_kv / chunk).is_multiple_of(8));
+    let bytes = |staged: Staged| cfg.with_staged(staged).shared_bytes(dtype.size());
+    let staged = [
+        Staged {
+            mask,
+            bias,
+            ..Staged::default()
+        },
+        Staged {
+            mask,
+            ..Staged::default()
+        },
+        Staged {
+            bias,
+            ..Staged::default()
+        },
+    ]
+    .into_iter()
+    .find(|&staged| caps.fits_shared("forward", bytes(staged)).is_ok())
+    .unwrap_or_default();
+    if staged.bias.is_none() {
+        return staged;
+    }
+    let single = Staged {
+        bias_single: true,
+        ..staged
+    };
+    static STAGES: OnceLock<Option<usize>> = OnceLock::new();
+    let prefer_single =
+        match STAGES.get_or_init(|| choice_override("BURN_FLASH_BIAS_STAGES", &[1, 2])) {
+            Some(stages) => *stages == 1,
+            None => caps.cubes_per_sm(bytes(single)) > caps.cubes_per_sm(bytes(staged)),
+        };
+    if prefer_single { single } else { staged }
+}
+
+/// How the tensor-core forward adds a staged bias ([`BiasAdd`]): bf16 by the tensor cores where
+/// bf16 holds `1 / scale` exactly (head dims 16, 64 and 256 at the default scale) and that
+/// factor exceeds 1.004 (so that the lowest finite bf16 times it overflows to the `-inf` it
+/// stands for); else converted per score. `BURN_FLASH_BIAS_MMA=0` converts always (tuning
+/// runs).
+fn bias_add(scale: f32, dtype: ElemType) -> BiasAdd {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    let factor = 1.0 / scale;
+    let exact = half::bf16::from_f32(factor).to_f32() == factor;
+    let overflows = (half::bf16::MIN.to_f32() * factor).is_infinite();
+    let forced_off = *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_BIAS_MMA")) == Some(false);
+    if dtype == BF16 && exact && overflows && !forced_off {
+        BiasAdd::Mma
+    } else {
+        BiasAdd::Convert
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::device::caps;
+    use crate::options::FlashAttentionOptions;
+
+    fn problem(d: usize, options: FlashAttentionOptions, inputs: ScoreFacts) -> ForwardProblem {
+        let mask_dims = inputs.mask.map(|mask| mask.dims);
+        ForwardProblem {
+            dtype: BF16,
+            batch: 4,
+            head_dim: d,
+            value_dim: d,
+            params: ScoreParams::new(&options, 16, d, 4096, 4096).with_inputs(
+                mask_dims.as_ref().map(|dims| &dims[..]),
+                inputs.bias.is_some(),
+            ),
+            inputs,
+            kv_tma_aligned: true,
+        }
+    }
+
+    #[test]
+    fn tensor_cores_where_the_device_has_them() {
+        let plain = problem(64, FlashAttentionOptions::new(), ScoreFacts::default());
+        let h100 = ForwardPlan::new(&caps::h100(), &plain).unwrap();
+        assert_eq!(h100.cfg.tile, TilePath::TensorCore);
+        assert_eq!((h100.cfg.block_q, h100.cfg.block_kv), (128, 64));
+        assert!(h100.cfg.tma, "K and V by tensor maps on SM90");
+        let a100 = ForwardPlan::new(&caps::a100(), &plain).unwrap();
+        assert!(!a100.cfg.tma, "no tensor maps before SM90");
+        let portable = ForwardPlan::new(&caps::lavapipe(), &plain).unwrap();
+        assert_eq!(portable.cfg.tile, TilePath::Portable);
+        // f32 takes the portable tile even where tensor cores exist; head dim 72 has no
+        // tensor-core tile and is refused with the reason.
+        let f32 = ForwardProblem {
+            dtype: F32,
+            ..plain
+        };
+        assert_eq!(
+            ForwardPlan::new(&caps::h100(), &f32).unwrap().cfg.tile,
+            TilePath::Portable
+        );
+        let d72 = problem(72, FlashAttentionOptions::new(), ScoreFacts::default());
+        let reason = ForwardPlan::new(&caps::h100(), &d72).unwrap_err();
+        assert!(reason.contains("head dims"), "{reason}");
+        // Wide heads: 8 planes of 16 rows.
+        let d256 = ForwardPlan::new(
+            &caps::h100(),
+            &problem(256, FlashAttentionOptions::new(), ScoreFacts::default()),
+        )
+        .unwrap();
+        assert_eq!((d256.cfg.planes, d256.cfg.plane_rows), (8, 16));
+    }
+
+    #[test]
+    fn a_per_pair_mask_is_packed_and_staged() {
+        let mask = InputFacts {
+            elem_size: 1,
+            dims: [4, 16, 4096, 4096],
+        };
+        let inputs = ScoreFacts {
+            mask: Some(mask),
+            bias: None,
+        };
+        let plan = ForwardPlan::new(
+            &caps::h100(),
+            &problem(64, FlashAttentionOptions::new(), inputs),
+        )
+        .unwrap();
+        assert!(plan.pack_mask && plan.cfg.mask.packed);
+        assert!(plan.to_string().contains("mask packed into bits"), "{plan}");
+        assert_eq!(
+            plan.cfg.staged.mask,
+            Some(4),
+            "four u32 words per 16-byte copy"
+        );
+        // A mask the same for every query is read in place, never packed.
+        let per_key = ScoreFacts {
+            mask: Some(InputFacts {
+                dims: [4, 16, 1, 4096],
+                ..mask
+            }),
+            bias: None,
+        };
+        let plan = ForwardPlan::new(
+            &caps::h100(),
+            &problem(64, FlashAttentionOptions::new(), per_key),
+        )
+        .unwrap();
+        assert!(!plan.pack_mask && !plan.cfg.mask.packed);
+        // The portable tile stages nothing.
+        let plan = ForwardPlan::new(
+            &caps::lavapipe(),
+            &problem(64, FlashAttentionOptions::new(), inputs),
+        )
+        .unwrap();
+        assert!(!plan.pack_mask && plan.cfg.staged == Staged::default());
+    }
+
+    #[test]
+    fn a_bias_shared_by_the_batch_turns_the_grid_around() {
+        let bias = |batch| ScoreFacts {
+            mask: None,
+            bias: Some(InputFacts {
+                elem_size: 2,
+                dims: [batch, 16, 4096, 4096],
+            }),
+        };
+        let shared = ForwardPlan::new(
+            &caps::h100(),
+            &problem(64, FlashAttentionOptions::new(), bias(1)),
+        )
+        .unwrap();
+        assert!(shared.cfg.batch_inner);
+        assert_eq!(shared.cfg.staged.bias, Some(8));
+        let own = ForwardPlan::new(
+            &caps::h100(),
+            &problem(64, FlashAttentionOptions::new(), bias(4)),
+        )
+        .unwrap();
+        assert!(!own.cfg.batch_inner);
+        // At the default scale of head dim 64 (1/8) bf16 holds 1/scale exactly: the tensor
+        // cores add the staged bias.
+        assert_eq!(own.cfg.staged.bias_add, BiasAdd::Mma);
+    }
+}

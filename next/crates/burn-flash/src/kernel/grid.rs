@@ -1,0 +1,67 @@
+//! The launch grid: one cube per (row block, head, batch), row blocks stepped through first (last
+//! first where a right bound makes the last ones the longest, [`row_block`]). Heads
+//! come before batches by default, so that the cubes of one sequence run together and a mask shared
+//! by its heads is read from memory about once. A bias shared by the batch (`[1, h, sq, sk]`, a
+//! relative-position bias) turns that around: read once per sequence, it would be the largest
+//! traffic of the launch (2·sk bytes a query row, against 8·d bytes of q, k, v and output in 16-bit
+//! types), so batches come first and the cubes of one head in every sequence run together, reading
+//! each of its blocks while another holds it in L2.
+
+use std::sync::OnceLock;
+
+use cubecl::prelude::*;
+
+use super::config::{TileConfig, TilePath};
+use super::tuning::flag_override;
+
+/// (batch, head) of this cube.
+#[cube]
+pub fn batch_and_head(#[comptime] cfg: TileConfig) -> (usize, usize) {
+    if comptime!(cfg.batch_inner) {
+        (CUBE_POS_Y as usize, CUBE_POS_Z as usize)
+    } else {
+        (CUBE_POS_Z as usize, CUBE_POS_Y as usize)
+    }
+}
+
+/// This cube's row block. Where a right bound (causal) gives the last row blocks the most keys,
+/// the grid's x runs backwards: cubes are dispatched in launch order, so the longest of each
+/// (batch, head) start first and the last wave ends with the shortest, instead of a few long
+/// cubes running on while the other SMs idle (longest processing time first).
+// The cube's built-ins are placeholder constants on the host side, where rustc would evaluate
+// the subtraction; in the kernel `CUBE_POS_X < CUBE_COUNT_X`.
+#[allow(arithmetic_overflow)]
+#[cube]
+pub fn row_block(#[comptime] cfg: TileConfig) -> usize {
+    if comptime!(cfg.mask.right) {
+        (CUBE_COUNT_X - 1 - CUBE_POS_X) as usize
+    } else {
+        CUBE_POS_X as usize
+    }
+}
+
+/// The cubes of a launch over `rows` rows per (batch, head) in blocks of `cfg.block_q`.
+pub fn cube_count(cfg: &TileConfig, rows: usize, heads: usize, batch: usize) -> CubeCount {
+    let blocks = rows.div_ceil(cfg.block_q) as u32;
+    if cfg.batch_inner {
+        CubeCount::Static(blocks, batch as u32, heads as u32)
+    } else {
+        CubeCount::Static(blocks, heads as u32, batch as u32)
+    }
+}
+
+/// Units of a cube: one plane per `cfg.planes` (tensor cores), one unit per owned row (portable).
+pub fn cube_dim(cfg: &TileConfig) -> CubeDim {
+    match cfg.tile {
+        TilePath::TensorCore => CubeDim::new_2d(32, cfg.planes as u32),
+        TilePath::Portable => CubeDim::new_1d(cfg.units() as u32),
+    }
+}
+
+/// Whether batches come before heads: where a bias (of batch size `bias_batch`) is shared by a
+/// batch of several sequences. `BURN_FLASH_BATCH_INNER=0|1` decides instead (tuning runs).
+pub fn batch_inner(bias_batch: Option<usize>, batch: usize) -> bool {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    let forced = OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_BATCH_INNER"));
+    forced.unwrap_or(batch > 1 && bias_batch == Some(1))
+}

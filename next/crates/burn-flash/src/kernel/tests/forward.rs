@@ -1,0 +1,104 @@
+//! The forward on the portable tile against the f64 reference.
+
+use super::{Case, Inputs, assert_close, client};
+use crate::kernel::tensors::F32;
+use crate::kernel::{ScoreParams, TilePath, forward, support};
+use crate::{AttentionWindow, FlashAttentionOptions};
+
+/// Output and log-sum-exp of `case` on fresh inputs drawn from `seed`, checked.
+fn check(case: &Case, seed: u64) {
+    let client = client();
+    let inputs = Inputs::draw(case, seed);
+    let (q, k, v, scores) = inputs.upload(&client, case);
+    let params = ScoreParams::new(
+        &case.options,
+        case.heads,
+        case.head_dim,
+        case.seq_q,
+        case.seq_k,
+    );
+    let (out, lse) = forward(q, k, v, scores, params);
+    assert_eq!(out.meta.shape()[..], case.out_dims());
+    let (expected_out, expected_lse) = inputs.forward(case);
+    assert_close(
+        &format!("{case:?} output"),
+        &out.read::<f32>(),
+        &expected_out,
+        2e-5,
+    );
+    assert_close(
+        &format!("{case:?} lse"),
+        &lse.read::<f32>(),
+        &expected_lse,
+        2e-5,
+    );
+}
+
+#[test]
+fn the_portable_tile_runs_f32_on_wgpu() {
+    let client = client();
+    assert_eq!(support(&client, F32, 64, 64), Ok(TilePath::Portable));
+    assert!(support(&client, F32, 300, 64).is_err());
+}
+
+/// Lengths one, lengths that are not whole blocks, more keys than queries and fewer, head dims
+/// from 8 to 128 and different value dims.
+#[test]
+fn plain_attention_matches_the_reference() {
+    let cases = [
+        Case::new(1, 1, 1, 1, 64),
+        Case::new(1, 2, 7, 7, 32),
+        Case::new(2, 1, 65, 33, 64),
+        Case::new(1, 2, 33, 70, 128),
+        Case::new(1, 1, 40, 17, 8).value_dim(24),
+    ];
+    for (seed, case) in cases.iter().enumerate() {
+        check(case, seed as u64);
+    }
+}
+
+/// Causal bottom-right: with fewer keys than queries the first rows see no key (output 0,
+/// log-sum-exp `-inf`); a sliding window on both sides.
+#[test]
+fn causal_and_windowed_attention_match_the_reference() {
+    let cases = [
+        Case::new(1, 2, 50, 50, 64).causal(),
+        Case::new(2, 1, 45, 20, 32).causal(),
+        Case::new(1, 1, 20, 61, 64).causal(),
+        Case::new(1, 2, 48, 48, 32).options(
+            FlashAttentionOptions::new().with_window(AttentionWindow::new(Some(5), Some(3))),
+        ),
+        Case::new(1, 1, 37, 52, 64).options(
+            FlashAttentionOptions::causal().with_window(AttentionWindow::new(Some(9), None)),
+        ),
+    ];
+    for (seed, case) in cases.iter().enumerate() {
+        check(case, 100 + seed as u64);
+    }
+}
+
+/// Grouped-query attention reads each key/value head for `heads / kv_heads` query heads.
+#[test]
+fn grouped_query_attention_matches_the_reference() {
+    check(&Case::new(2, 4, 33, 40, 64).kv_heads(2), 200);
+    check(&Case::new(1, 6, 17, 29, 32).kv_heads(1).causal(), 201);
+}
+
+/// Boolean masks per pair and per key (broadcast over queries, heads or batches), and additive
+/// biases, alone and with the causal mask.
+#[test]
+fn masks_and_biases_match_the_reference() {
+    let cases = [
+        Case::new(2, 2, 33, 45, 64).mask([2, 2, 33, 45]),
+        Case::new(2, 2, 30, 41, 32).mask([2, 1, 1, 41]),
+        Case::new(1, 2, 40, 40, 64).causal().mask([1, 2, 40, 40]),
+        Case::new(2, 2, 21, 35, 32).bias([1, 2, 21, 35]),
+        Case::new(1, 2, 36, 36, 64)
+            .causal()
+            .mask([1, 1, 36, 36])
+            .bias([1, 2, 36, 36]),
+    ];
+    for (seed, case) in cases.iter().enumerate() {
+        check(case, 300 + seed as u64);
+    }
+}

@@ -1,0 +1,357 @@
+//! Kernel-level tests on CubeCL's wgpu runtime (lavapipe in CI): the portable tile's forward and
+//! backward launched on `KernelTensor`s and compared with a plain f64 reference computed here,
+//! on fresh random inputs, with the outputs poisoned (NaN) before each launch.
+
+mod backward;
+mod forward;
+mod inputs;
+
+use cubecl::Device;
+use cubecl::prelude::*;
+
+use super::tensors::KernelTensor;
+use crate::FlashAttentionOptions;
+
+/// The client of the default wgpu device, outputs poisoned for every launch of this process.
+pub fn client() -> Client {
+    crate::testing::poison_outputs(true);
+    Device::Wgpu(Default::default()).client()
+}
+
+/// A small counter-based generator (splitmix64), so the tests need no crate for randomness and
+/// every case draws its own fresh values from its own seed.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box–Muller).
+    pub fn normal(&mut self) -> f64 {
+        let (u, v) = (1.0 - self.uniform(), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    }
+
+    pub fn normals(&mut self, len: usize) -> Vec<f32> {
+        (0..len).map(|_| self.normal() as f32).collect()
+    }
+}
+
+/// One attention problem: `q [b, h, sq, d]`, `k [b, hkv, sk, d]`, `v [b, hkv, sk, dv]`, and
+/// what hides keys.
+#[derive(Clone, Debug)]
+pub struct Case {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub seq_q: usize,
+    pub seq_k: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    pub options: FlashAttentionOptions,
+    /// `[b|1, h|1, sq|1, sk]` dims of a boolean mask input (values drawn per case).
+    pub mask: Option<[usize; 4]>,
+    /// `[b|1, h|1, sq|1, sk]` dims of an additive bias input.
+    pub bias: Option<[usize; 4]>,
+}
+
+impl Case {
+    pub fn new(batch: usize, heads: usize, seq_q: usize, seq_k: usize, head_dim: usize) -> Self {
+        Self {
+            batch,
+            heads,
+            kv_heads: heads,
+            seq_q,
+            seq_k,
+            head_dim,
+            value_dim: head_dim,
+            options: FlashAttentionOptions::new(),
+            mask: None,
+            bias: None,
+        }
+    }
+
+    pub fn causal(mut self) -> Self {
+        self.options = self.options.with_causal(true);
+        self
+    }
+
+    pub fn kv_heads(mut self, kv_heads: usize) -> Self {
+        self.kv_heads = kv_heads;
+        self
+    }
+
+    pub fn value_dim(mut self, value_dim: usize) -> Self {
+        self.value_dim = value_dim;
+        self
+    }
+
+    pub fn options(mut self, options: FlashAttentionOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    pub fn mask(mut self, dims: [usize; 4]) -> Self {
+        self.mask = Some(dims);
+        self
+    }
+
+    pub fn bias(mut self, dims: [usize; 4]) -> Self {
+        self.bias = Some(dims);
+        self
+    }
+
+    pub fn q_dims(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.seq_q, self.head_dim]
+    }
+
+    pub fn k_dims(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.seq_k, self.head_dim]
+    }
+
+    pub fn v_dims(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.seq_k, self.value_dim]
+    }
+
+    pub fn out_dims(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.seq_q, self.value_dim]
+    }
+
+    pub fn scale(&self) -> f64 {
+        self.options.scale_for(self.head_dim)
+    }
+}
+
+/// Host copies of one case's inputs.
+pub struct Inputs {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    /// 1 hides the pair.
+    pub mask: Option<Vec<u32>>,
+    pub bias: Option<Vec<f32>>,
+}
+
+fn len(dims: [usize; 4]) -> usize {
+    dims.iter().product()
+}
+
+/// Index of `[b, h, i, j]` in a broadcast input of dims `dims`.
+fn broadcast_index(dims: [usize; 4], b: usize, h: usize, i: usize, j: usize) -> usize {
+    let at = |n: usize, dim: usize| if dims[dim] == 1 { 0 } else { n };
+    ((at(b, 0) * dims[1] + at(h, 1)) * dims[2] + at(i, 2)) * dims[3] + j
+}
+
+impl Inputs {
+    pub fn draw(case: &Case, seed: u64) -> Self {
+        let mut rng = Rng::new(seed);
+        let q = rng.normals(len(case.q_dims()));
+        let k = rng.normals(len(case.k_dims()));
+        let v = rng.normals(len(case.v_dims()));
+        // About a third of the pairs hidden, so that some rows lose every key.
+        let mask = case.mask.map(|dims| {
+            (0..len(dims))
+                .map(|_| u32::from(rng.uniform() < 0.35))
+                .collect()
+        });
+        let bias = case.bias.map(|dims| rng.normals(len(dims)));
+        Self {
+            q,
+            k,
+            v,
+            mask,
+            bias,
+        }
+    }
+
+    /// The device tensors of these inputs: q, k, v and the score inputs.
+    pub fn upload(
+        &self,
+        client: &Client,
+        case: &Case,
+    ) -> (KernelTensor, KernelTensor, KernelTensor, super::ScoreInputs) {
+        let mask = self
+            .mask
+            .as_ref()
+            .map(|m| KernelTensor::from_values(client, m, case.mask.unwrap()));
+        let bias = self
+            .bias
+            .as_ref()
+            .map(|b| KernelTensor::from_f32(client, b, case.bias.unwrap()));
+        (
+            KernelTensor::from_f32(client, &self.q, case.q_dims()),
+            KernelTensor::from_f32(client, &self.k, case.k_dims()),
+            KernelTensor::from_f32(client, &self.v, case.v_dims()),
+            super::ScoreInputs::new(mask, bias),
+        )
+    }
+
+    /// The keys query `i` of `(b, h)` sees: the band of the options (bottom-right aligned),
+    /// then the mask.
+    fn seen(&self, case: &Case, b: usize, h: usize, i: usize) -> Vec<usize> {
+        let diag = i as i64 + case.seq_k as i64 - case.seq_q as i64;
+        let window = case.options.window.unwrap_or_default();
+        (0..case.seq_k)
+            .filter(|&j| {
+                let j = j as i64;
+                let right = if case.options.causal {
+                    Some(0)
+                } else {
+                    window.right.map(|r| r as i64)
+                };
+                right.is_none_or(|r| j <= diag + r)
+                    && window.left.is_none_or(|l| j >= diag - l as i64)
+            })
+            .filter(|&j| {
+                self.mask
+                    .as_ref()
+                    .is_none_or(|mask| mask[broadcast_index(case.mask.unwrap(), b, h, i, j)] == 0)
+            })
+            .collect()
+    }
+
+    /// Row `i` of `(b, h)`: the probabilities of the seen keys (empty when none is seen or the
+    /// bias hides them all) and the log-sum-exp of the scores.
+    fn probs(&self, case: &Case, b: usize, h: usize, i: usize) -> (Vec<usize>, Vec<f64>, f64) {
+        let (d, group) = (case.head_dim, case.heads / case.kv_heads);
+        let q = &self.q[((b * case.heads + h) * case.seq_q + i) * d..][..d];
+        let kv = b * case.kv_heads + h / group;
+        let seen = self.seen(case, b, h, i);
+        let scores: Vec<f64> = seen
+            .iter()
+            .map(|&j| {
+                let key = &self.k[(kv * case.seq_k + j) * d..][..d];
+                let dot: f64 = q.iter().zip(key).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let bias = self.bias.as_ref().map_or(0.0, |bias| {
+                    bias[broadcast_index(case.bias.unwrap(), b, h, i, j)] as f64
+                });
+                case.scale() * dot + bias
+            })
+            .collect();
+        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        if max == f64::NEG_INFINITY {
+            return (Vec::new(), Vec::new(), f64::NEG_INFINITY);
+        }
+        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let sum: f64 = weights.iter().sum();
+        (
+            seen,
+            weights.iter().map(|w| w / sum).collect(),
+            max + sum.ln(),
+        )
+    }
+
+    /// The f64 reference forward: the output `[b, h, sq, dv]` and log-sum-exp `[b, h, sq]`
+    /// (`-inf` for rows that see no key, whose output is 0).
+    pub fn forward(&self, case: &Case) -> (Vec<f64>, Vec<f64>) {
+        let (dv, group) = (case.value_dim, case.heads / case.kv_heads);
+        let mut out = Vec::with_capacity(len(case.out_dims()));
+        let mut lse = Vec::new();
+        for b in 0..case.batch {
+            for h in 0..case.heads {
+                let kv = b * case.kv_heads + h / group;
+                for i in 0..case.seq_q {
+                    let (seen, probs, row_lse) = self.probs(case, b, h, i);
+                    let mut row = vec![0.0; dv];
+                    for (&j, p) in seen.iter().zip(&probs) {
+                        let value = &self.v[(kv * case.seq_k + j) * dv..][..dv];
+                        for (o, x) in row.iter_mut().zip(value) {
+                            *o += p * *x as f64;
+                        }
+                    }
+                    out.extend(row);
+                    lse.push(row_lse);
+                }
+            }
+        }
+        (out, lse)
+    }
+
+    /// The f64 reference gradients of `sum(d_out ∘ attention)`: `P = softmax(S)`,
+    /// `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))`, `dQ = scale·dS·K`, `dK = scale·dSᵀ·Q`,
+    /// key/value gradients summed over the query heads of a group.
+    pub fn grads(&self, case: &Case, d_out: &[f32]) -> [Vec<f64>; 3] {
+        let (d, dv, group) = (case.head_dim, case.value_dim, case.heads / case.kv_heads);
+        let mut dq = vec![0.0; self.q.len()];
+        let mut dk = vec![0.0; self.k.len()];
+        let mut d_v = vec![0.0; self.v.len()];
+        for b in 0..case.batch {
+            for h in 0..case.heads {
+                let kv = b * case.kv_heads + h / group;
+                for i in 0..case.seq_q {
+                    let (seen, probs, _) = self.probs(case, b, h, i);
+                    let row = (b * case.heads + h) * case.seq_q + i;
+                    let g = &d_out[row * dv..][..dv];
+                    let dp: Vec<f64> = seen
+                        .iter()
+                        .map(|&j| {
+                            let value = &self.v[(kv * case.seq_k + j) * dv..][..dv];
+                            g.iter()
+                                .zip(value)
+                                .map(|(a, b)| *a as f64 * *b as f64)
+                                .sum()
+                        })
+                        .collect();
+                    let row_dot: f64 = probs.iter().zip(&dp).map(|(p, x)| p * x).sum();
+                    for (n, &j) in seen.iter().enumerate() {
+                        let ds = probs[n] * (dp[n] - row_dot) * case.scale();
+                        let key = (kv * case.seq_k + j) * d;
+                        for c in 0..d {
+                            dq[row * d + c] += ds * self.k[key + c] as f64;
+                            dk[key + c] += ds * self.q[row * d + c] as f64;
+                        }
+                        for c in 0..dv {
+                            d_v[(kv * case.seq_k + j) * dv + c] += probs[n] * g[c] as f64;
+                        }
+                    }
+                }
+            }
+        }
+        [dq, dk, d_v]
+    }
+}
+
+/// The largest difference between `got` and `expected`, over the largest magnitude of
+/// `expected` (at least 1); NaN anywhere in `got` fails at once, and `-inf` must match `-inf`.
+pub fn assert_close(label: &str, got: &[f32], expected: &[f64], tolerance: f64) {
+    assert_eq!(got.len(), expected.len(), "{label}: length");
+    let scale = expected
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(1.0f64, |m, x| m.max(x.abs()));
+    let mut worst = (0.0f64, 0);
+    for (n, (g, e)) in got.iter().zip(expected).enumerate() {
+        let g = *g as f64;
+        assert!(!g.is_nan(), "{label}: NaN at {n} (expected {e})");
+        if e.is_infinite() || g.is_infinite() {
+            assert_eq!(g, *e, "{label}: at {n}");
+            continue;
+        }
+        let err = (g - e).abs() / scale;
+        if err > worst.0 {
+            worst = (err, n);
+        }
+    }
+    assert!(
+        worst.0 <= tolerance,
+        "{label}: relative error {:.2e} at {} (got {}, expected {}), tolerance {tolerance:.0e}",
+        worst.0,
+        worst.1,
+        got[worst.1],
+        expected[worst.1]
+    );
+}

@@ -1,0 +1,218 @@
+//! Hooks for tests; not part of the stable API.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+static POISON: AtomicBool = AtomicBool::new(false);
+
+/// Fill the fused kernels' outputs with NaN before each launch (process-wide), so that a
+/// result the kernel forgot to write shows up as NaN in tests instead of stale memory.
+///
+/// # Example
+///
+/// ```
+/// burn_flash::testing::poison_outputs(true);
+/// // ... run attention and check the outputs ...
+/// burn_flash::testing::poison_outputs(false);
+/// ```
+pub fn poison_outputs(enabled: bool) {
+    POISON.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether [`poison_outputs`] is on; read by the kernel launcher.
+pub(crate) fn poison_enabled() -> bool {
+    POISON.load(Ordering::Relaxed)
+}
+
+static FORCED_ATOMIC_DQ: AtomicUsize = AtomicUsize::new(0);
+
+/// While the returned guard lives, a backward asked for a non-deterministic dQ
+/// (`with_deterministic(false)`) takes the atomic dQ wherever the runtime can run it, on either
+/// tile, instead of the faster of the two for the shape: tests use it to cover the atomic path
+/// on small shapes, where the separate dQ launch is faster, and on the portable tile, whose
+/// per-unit atomics are always slower. Guards nest and may live on several threads at once.
+///
+/// # Example
+///
+/// ```
+/// let atomic = burn_flash::testing::force_atomic_dq();
+/// // ... run backwards with `with_deterministic(false)` ...
+/// drop(atomic);
+/// ```
+#[must_use = "the atomic dQ is forced only while the guard lives"]
+pub fn force_atomic_dq() -> ForcedAtomicDq {
+    ForcedAtomicDq {
+        _held: Held::new(&FORCED_ATOMIC_DQ),
+    }
+}
+
+/// Guard of [`force_atomic_dq`].
+pub struct ForcedAtomicDq {
+    _held: Held,
+}
+
+/// Whether some [`force_atomic_dq`] guard lives; read by the backward launcher.
+pub(crate) fn atomic_dq_forced() -> bool {
+    Held::any(&FORCED_ATOMIC_DQ)
+}
+
+/// One live guard counted in `count`, so that guards nest and may live on several threads.
+struct Held(&'static AtomicUsize);
+
+impl Held {
+    fn new(count: &'static AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count)
+    }
+
+    /// Whether some guard counted in `count` lives.
+    fn any(count: &AtomicUsize) -> bool {
+        count.load(Ordering::SeqCst) > 0
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+static ATOMIC_DQ: AtomicUsize = AtomicUsize::new(0);
+static SEPARATE_DQ: AtomicUsize = AtomicUsize::new(0);
+
+/// How many fused backwards of this process have computed dQ by f32 atomics and how many by its
+/// own deterministic launch, so tests can tell which path ran.
+///
+/// # Example
+///
+/// ```
+/// let (atomic, deterministic) = burn_flash::testing::dq_launches();
+/// assert_eq!((atomic, deterministic), (0, 0)); // no backward ran yet
+/// ```
+pub fn dq_launches() -> (usize, usize) {
+    (
+        ATOMIC_DQ.load(Ordering::Relaxed),
+        SEPARATE_DQ.load(Ordering::Relaxed),
+    )
+}
+
+/// Counts one fused backward for [`dq_launches`].
+pub(crate) fn record_dq_launch(atomic: bool) {
+    let counter = if atomic { &ATOMIC_DQ } else { &SEPARATE_DQ };
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+static AVOIDED_TMA: AtomicUsize = AtomicUsize::new(0);
+
+/// While the returned guard lives, the forward and the backward stage their blocks by per-unit
+/// asynchronous copies even where they would use tensor maps (SM90 and newer, head dims 64 and
+/// 128), so that tests cover on such a GPU the path older ones take. Guards nest and may live on
+/// several threads at once.
+///
+/// # Example
+///
+/// ```
+/// let copies = burn_flash::testing::avoid_tma();
+/// // ... run attention forwards and backwards ...
+/// drop(copies);
+/// ```
+#[must_use = "tensor maps are avoided only while the guard lives"]
+pub fn avoid_tma() -> AvoidedTma {
+    AvoidedTma {
+        _held: Held::new(&AVOIDED_TMA),
+    }
+}
+
+/// Guard of [`avoid_tma`].
+pub struct AvoidedTma {
+    _held: Held,
+}
+
+/// Whether some [`avoid_tma`] guard lives; read by the launchers.
+pub(crate) fn tma_avoided() -> bool {
+    Held::any(&AVOIDED_TMA)
+}
+
+static TMA_STAGED: AtomicUsize = AtomicUsize::new(0);
+
+/// How many forward and dK/dV launches of this process have staged their blocks by tensor
+/// maps, so tests can tell that the path ran.
+///
+/// # Example
+///
+/// ```
+/// assert_eq!(burn_flash::testing::tma_launches(), 0); // no attention ran yet
+/// ```
+pub fn tma_launches() -> usize {
+    TMA_STAGED.load(Ordering::Relaxed)
+}
+
+/// Counts one launch staged by tensor maps for [`tma_launches`].
+pub(crate) fn record_tma_launch() {
+    TMA_STAGED.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The slot count [`tail_slots`] forces; `usize::MAX` while none is.
+static FORCED_TAIL_SLOTS: AtomicUsize = AtomicUsize::new(usize::MAX);
+/// Held by the live [`tail_slots`] guard, so that two never overlap.
+static TAIL_SLOTS_HELD: Mutex<()> = Mutex::new(());
+
+/// While the returned guard lives, every dK/dV launch plans its last wave for `slots` cube
+/// slots, on either tile, dQ by atomics or not, band or not: its last `cubes % slots` cubes then
+/// walk in pieces where the slots leave room for two or more each, and their partial dK/dV sums
+/// are added by a launch of their own (`slots = 0` splits nothing). By default only the tensor-
+/// core single pass without a band splits, over the GPU's SMs. A second guard waits for the
+/// first to drop; launches on other threads meanwhile plan with the forced count too, so a test
+/// that compares bits between calls holds `tail_slots(0)` while it runs (a split launch sums in
+/// another order).
+///
+/// # Example
+///
+/// ```
+/// let split = burn_flash::testing::tail_slots(8);
+/// // ... run backwards: a grid of 13 cubes walks 8 whole, 5 in pieces ...
+/// drop(split);
+/// ```
+#[must_use = "the slot count is forced only while the guard lives"]
+pub fn tail_slots(slots: usize) -> TailSlots {
+    let held = TAIL_SLOTS_HELD
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    FORCED_TAIL_SLOTS.store(slots, Ordering::SeqCst);
+    TailSlots { _held: held }
+}
+
+/// Guard of [`tail_slots`].
+pub struct TailSlots {
+    _held: MutexGuard<'static, ()>,
+}
+
+impl Drop for TailSlots {
+    fn drop(&mut self) {
+        FORCED_TAIL_SLOTS.store(usize::MAX, Ordering::SeqCst);
+    }
+}
+
+/// The slot count a live [`tail_slots`] guard forces; read by the backward launcher.
+pub(crate) fn forced_tail_slots() -> Option<usize> {
+    Some(FORCED_TAIL_SLOTS.load(Ordering::SeqCst)).filter(|&slots| slots != usize::MAX)
+}
+
+static TAIL_SPLITS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many dK/dV launches of this process have split their last wave's cubes into pieces
+/// ([`tail_slots`]), so tests can tell that the path ran.
+///
+/// # Example
+///
+/// ```
+/// assert_eq!(burn_flash::testing::tail_splits(), 0); // no backward ran yet
+/// ```
+pub fn tail_splits() -> usize {
+    TAIL_SPLITS.load(Ordering::Relaxed)
+}
+
+/// Counts one split launch for [`tail_splits`].
+pub(crate) fn record_tail_split() {
+    TAIL_SPLITS.fetch_add(1, Ordering::Relaxed);
+}
