@@ -1,28 +1,67 @@
-//! Fused FlashAttention for [Burn](https://burn.dev), written in CubeCL: the crate on Burn 0.23
-//! and CubeCL 0.12, ported layer by layer (`next/README.md` says what is ported).
+//! Fused FlashAttention for [Burn](https://burn.dev), written in CubeCL.
 //!
-//! This layer holds the kernels and their launches on CubeCL tensors ([`kernel`]): the
-//! forward, which writes the output and the per-row log-sum-exp, and the backward, which
-//! recomputes the probabilities from them. [`FlashAttentionOptions`] describes one call.
+//! [`flash_attention`] computes `softmax(scale · Q·Kᵀ [+ mask]) · V` on
+//! `[batch, heads, seq, head_dim]` tensors in one kernel, without materialising the
+//! `seq_q × seq_k` score matrix, with the same conventions as
+//! `burn::tensor::module::attention`. [`FlashAttentionOptions`] adds to plain attention the
+//! causal mask, sliding windows ([`AttentionWindow`]) and the softcap of Gemma-2; `k` and `v`
+//! may have fewer heads than `q` (grouped-query and multi-query attention), read in place. It runs
+//! on the devices of Burn's CubeCL backends (`Device::wgpu`, `Device::cuda`, …), with or without
+//! autodiff ([`FlashAttentionBackend`]).
+//!
+//! On CUDA (SM80 and newer) with f16/bf16 inputs the kernel uses the tensor cores; elsewhere a
+//! portable tile of register FMAs ([`TilePath`]). Inputs the kernel cannot run (a head dim or a
+//! device it has no tile for) take Burn's unfused `attention_fallback`, and the reason is logged
+//! with `log::warn!`; [`flash_attention_plan`] tells which path a call takes. Invalid inputs
+//! (mismatched shapes, devices or dtypes) are refused with a [`FlashAttentionError`].
+//!
+//! On an autodiff device the fused forward records one node (saving q, k, v, the output and its
+//! log-sum-exp) whose backward runs the fused backward kernels on the same tile as the forward,
+//! so training never materialises the score matrix either.
+//!
+//! The kernels and their launches on CubeCL tensors, without Burn, are in [`kernel`].
 //!
 //! # Example
 //!
 //! ```no_run
-//! use burn_flash::kernel::{KernelTensor, ScoreInputs, ScoreParams, forward};
-//! use burn_flash::FlashAttentionOptions;
+//! use burn::tensor::{Device, Distribution, Tensor};
+//! use burn_flash::{flash_attention, flash_attention_plan, FlashAttentionOptions};
 //!
-//! let client = cubecl::Device::Wgpu(Default::default()).client();
-//! let shape = [1, 2, 128, 64]; // [batch, heads, seq, head_dim]
-//! let values: Vec<f32> = (0..2 * 128 * 64).map(|i| (i % 7) as f32 * 0.1).collect();
-//! let tensor = || KernelTensor::from_f32(&client, &values, shape);
-//! let params = ScoreParams::new(&FlashAttentionOptions::causal(), 2, 64, 128, 128);
-//! let (out, lse) = forward(tensor(), tensor(), tensor(), ScoreInputs::new(None, None), params);
-//! assert_eq!(out.meta.shape()[..], [1, 2, 128, 64]);
+//! let device = Device::wgpu(Default::default());
+//! let [q, k, v] = [0, 1, 2].map(|_| {
+//!     Tensor::<4>::random([4, 16, 1024, 64], Distribution::Normal(0.0, 1.0), &device)
+//! });
+//! let options = FlashAttentionOptions::causal().with_sliding_window(255);
+//! println!("{}", flash_attention_plan(&q, &k, &v, options).unwrap());
+//! let out = flash_attention(q, k, v, options); // [4, 16, 1024, 64]
 //! ```
 #![warn(missing_docs)]
 
+mod api;
+mod backend;
+mod backends {
+    mod autodiff;
+    mod cube;
+    mod fusion;
+}
+mod error;
 pub mod kernel;
+pub mod nn;
 mod options;
+mod support;
+#[doc(hidden)]
 pub mod testing;
 
+pub use api::{
+    AttentionMask, FlashAttentionPlan, flash_attention, flash_attention_masked,
+    flash_attention_plan, flash_attention_with_lse, try_flash_attention,
+    try_flash_attention_masked,
+};
+pub use backend::{
+    BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads,
+    FlashAttentionProblem, ScoreInputs,
+};
+pub use error::FlashAttentionError;
+pub use kernel::TilePath;
 pub use options::{AttentionDropout, AttentionWindow, FlashAttentionOptions, alibi_slopes};
+pub use support::{flash_attention_backward_support, flash_attention_support};

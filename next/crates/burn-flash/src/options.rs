@@ -425,3 +425,27 @@ pub fn alibi_slopes(heads: usize) -> Vec<f64> {
         })
         .collect()
 }
+
+impl From<FlashAttentionOptions> for burn::tensor::ops::AttentionModuleOptions {
+    /// The options of Burn's own attention that it shares: scale, causal (aligned bottom-right),
+    /// softcap. Burn has no window, ALiBi or dropout option: a window becomes a mask (see
+    /// [`FlashAttentionOptions::sees`]), ALiBi a bias ([`alibi_slopes`]).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn::tensor::ops::AttentionModuleOptions;
+    /// use burn_flash::FlashAttentionOptions;
+    ///
+    /// let burn: AttentionModuleOptions = FlashAttentionOptions::causal().into();
+    /// assert!(burn.is_causal && burn.scale.is_none() && burn.softcap.is_none());
+    /// ```
+    fn from(options: FlashAttentionOptions) -> Self {
+        Self {
+            scale: options.scale,
+            softcap: options.softcap,
+            is_causal: options.causal,
+            ..Self::default()
+        }
+    }
+}

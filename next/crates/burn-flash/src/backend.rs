@@ -1,0 +1,284 @@
+//! The backend extension trait: what a backend implements to run the fused attention.
+
+use burn::backend::tensor::{BoolTensor, FloatTensor};
+use burn::backend::{Backend, ExtensionType, backend_extension};
+use burn::tensor::DType;
+
+use crate::options::FlashAttentionOptions;
+
+/// The sizes and dtype of one attention call, as the fused kernels see them when they decide
+/// whether they can run it ([`flash_attention_support`](crate::flash_attention_support)).
+///
+/// `q: [batch, heads, seq_q, head_dim]`, `k: [batch, kv_heads, seq_k, head_dim]`,
+/// `v: [batch, kv_heads, seq_k, value_dim]`, `heads` a multiple of `kv_heads` (grouped-query
+/// attention when they differ).
+///
+/// # Example
+///
+/// ```
+/// use burn::tensor::DType;
+/// use burn_flash::FlashAttentionProblem;
+///
+/// let problem = FlashAttentionProblem::new(
+///     [2, 8, 128, 64],
+///     [2, 8, 256, 64],
+///     [2, 8, 256, 64],
+///     DType::BF16,
+///     true,
+/// );
+/// assert_eq!((problem.seq_q, problem.seq_k, problem.head_dim), (128, 256, 64));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct FlashAttentionProblem {
+    /// Batch size.
+    pub batch: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (`heads` is a multiple of it).
+    pub kv_heads: usize,
+    /// Query sequence length.
+    pub seq_q: usize,
+    /// Key/value sequence length.
+    pub seq_k: usize,
+    /// Head dim of `q` and `k`.
+    pub head_dim: usize,
+    /// Head dim of `v` (and of the output).
+    pub value_dim: usize,
+    /// Dtype of `q`, `k`, `v` and the output.
+    pub dtype: DType,
+    /// Whether the causal mask applies.
+    pub causal: bool,
+}
+
+impl FlashAttentionProblem {
+    /// The problem of inputs with these shapes (`[batch, heads, seq, dim]`), dtype and mask.
+    /// Nothing is checked here; `q` gives batch, heads, seq_q and head_dim, `k` kv_heads and
+    /// seq_k, `v` value_dim.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn::tensor::DType;
+    /// use burn_flash::FlashAttentionProblem;
+    ///
+    /// let dims = [1, 4, 32, 64];
+    /// let problem = FlashAttentionProblem::new(dims, dims, dims, DType::F32, false);
+    /// assert_eq!(problem.heads, 4);
+    /// ```
+    pub fn new(q: [usize; 4], k: [usize; 4], v: [usize; 4], dtype: DType, causal: bool) -> Self {
+        Self {
+            batch: q[0],
+            heads: q[1],
+            kv_heads: k[1],
+            seq_q: q[2],
+            seq_k: k[2],
+            head_dim: q[3],
+            value_dim: v[3],
+            dtype,
+            causal,
+        }
+    }
+}
+
+/// The per-score inputs of one attention call beside `q`, `k` and `v`, as backend tensors: a
+/// boolean mask (`true` hides the (query, key) pair, as in Burn's `attention`) and an additive
+/// bias (added to the scaled, softcapped scores), each `[batch|1, heads|1, seq_q|1, seq_k]`, a
+/// dim of 1 broadcasting over it; the bias in the inputs' dtype.
+///
+/// [`flash_attention_masked`](crate::flash_attention_masked) validates them and builds this.
+///
+/// # Example
+///
+/// ```
+/// use burn::backend::tensor::{BoolTensor, FloatTensor};
+/// use burn_flash::{FlashAttentionBackend, ScoreInputs};
+///
+/// fn bias_of<B: FlashAttentionBackend>(inputs: ScoreInputs<B>) -> Option<FloatTensor<B>> {
+///     inputs.into_parts().1
+/// }
+/// ```
+#[derive(ExtensionType, Clone, Debug)]
+pub enum ScoreInputs<B: Backend> {
+    /// Plain attention.
+    Neither,
+    /// A boolean mask only.
+    Mask(BoolTensor<B>),
+    /// An additive bias only.
+    Bias(FloatTensor<B>),
+    /// A boolean mask and an additive bias.
+    Both(BoolTensor<B>, FloatTensor<B>),
+}
+
+impl<B: Backend> ScoreInputs<B> {
+    /// The inputs holding `mask` and `bias`, either of which may be absent.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn::backend::tensor::FloatTensor;
+    /// use burn_flash::{FlashAttentionBackend, ScoreInputs};
+    ///
+    /// fn biased<B: FlashAttentionBackend>(bias: FloatTensor<B>) -> ScoreInputs<B> {
+    ///     ScoreInputs::new(None, Some(bias))
+    /// }
+    /// ```
+    pub fn new(mask: Option<BoolTensor<B>>, bias: Option<FloatTensor<B>>) -> Self {
+        match (mask, bias) {
+            (None, None) => Self::Neither,
+            (Some(mask), None) => Self::Mask(mask),
+            (None, Some(bias)) => Self::Bias(bias),
+            (Some(mask), Some(bias)) => Self::Both(mask, bias),
+        }
+    }
+
+    /// The mask and the bias, either of which may be absent.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::{FlashAttentionBackend, ScoreInputs};
+    ///
+    /// fn plain<B: FlashAttentionBackend>() -> bool {
+    ///     let (mask, bias) = ScoreInputs::<B>::Neither.into_parts();
+    ///     mask.is_none() && bias.is_none()
+    /// }
+    /// ```
+    pub fn into_parts(self) -> (Option<BoolTensor<B>>, Option<FloatTensor<B>>) {
+        match self {
+            Self::Neither => (None, None),
+            Self::Mask(mask) => (Some(mask), None),
+            Self::Bias(bias) => (None, Some(bias)),
+            Self::Both(mask, bias) => (Some(mask), Some(bias)),
+        }
+    }
+
+    /// The bias, if there is one.
+    pub fn bias(&self) -> Option<&FloatTensor<B>> {
+        match self {
+            Self::Bias(bias) | Self::Both(_, bias) => Some(bias),
+            Self::Neither | Self::Mask(_) => None,
+        }
+    }
+
+    /// Whether a mask is given.
+    pub fn has_mask(&self) -> bool {
+        matches!(self, Self::Mask(_) | Self::Both(..))
+    }
+}
+
+/// What the fused forward returns.
+#[derive(ExtensionType, Clone, Debug)]
+pub struct FlashAttentionForward<B: Backend> {
+    /// The attention output, `[batch, heads, seq_q, value_dim]`, in the inputs' dtype.
+    pub output: FloatTensor<B>,
+    /// The log-sum-exp of each query row, `[batch, heads, seq_q]`, always f32: the natural log
+    /// of `Σ_j exp(scale · q_i·k_j)` over the keys the row sees; `-inf` for a row that sees no
+    /// key. The backward pass recomputes the softmax from it.
+    pub lse: FloatTensor<B>,
+}
+
+/// The bias gradient of a backward: absent unless a bias was given and its gradient asked for.
+#[derive(ExtensionType, Clone, Debug)]
+pub enum BiasGrad<B: Backend> {
+    /// No bias gradient was asked for.
+    Absent,
+    /// The bias's gradient, shaped as the bias.
+    Present(FloatTensor<B>),
+}
+
+impl<B: Backend> BiasGrad<B> {
+    /// The gradient, if there is one.
+    pub fn into_option(self) -> Option<FloatTensor<B>> {
+        match self {
+            Self::Absent => None,
+            Self::Present(grad) => Some(grad),
+        }
+    }
+}
+
+/// The gradients the fused backward returns, each shaped and typed as its input.
+#[derive(ExtensionType, Clone, Debug)]
+pub struct FlashAttentionGrads<B: Backend> {
+    /// Gradient of the queries, `[batch, heads, seq_q, head_dim]`.
+    pub q: FloatTensor<B>,
+    /// Gradient of the keys, `[batch, kv_heads, seq_k, head_dim]`.
+    pub k: FloatTensor<B>,
+    /// Gradient of the values, `[batch, kv_heads, seq_k, value_dim]`.
+    pub v: FloatTensor<B>,
+    /// Gradient of the bias, when one was given and its gradient asked for.
+    #[extension_type]
+    pub bias: BiasGrad<B>,
+}
+
+/// A backend that runs the fused FlashAttention kernels.
+///
+/// Implemented for `burn_cubecl::CubeBackend` (every CubeCL runtime: wgpu, CUDA, …), for
+/// `burn_fusion::Fusion` over it (the backend Burn's `Device::wgpu` and `Device::cuda` run on),
+/// and for `burn_autodiff::Autodiff<B>` over any of these: its forward records one node whose
+/// backward is [`flash_attention_backward`](Self::flash_attention_backward), saving `q`, `k`,
+/// `v`, the output and the log-sum-exp only. Burn's `Dispatch` backend routes a tensor's call to
+/// the implementation of its device.
+///
+/// Most users call [`flash_attention`](crate::flash_attention), which validates the inputs, asks
+/// [`flash_attention_support`](crate::flash_attention_support) and takes Burn's unfused
+/// attention when the fused kernel cannot run.
+///
+/// # Example
+///
+/// ```
+/// use burn::backend::Dispatch;
+/// use burn::tensor::Tensor;
+/// use burn_flash::{FlashAttentionBackend, FlashAttentionOptions, ScoreInputs};
+///
+/// fn output(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+///     let forward = <Dispatch as FlashAttentionBackend>::flash_attention_forward(
+///         q.into_dispatch(),
+///         k.into_dispatch(),
+///         v.into_dispatch(),
+///         ScoreInputs::Neither,
+///         FlashAttentionOptions::causal(),
+///     );
+///     Tensor::from_dispatch(forward.output)
+/// }
+/// ```
+#[backend_extension(Cube, Autodiff)]
+pub trait FlashAttentionBackend: Backend {
+    /// Run the fused forward.
+    ///
+    /// Low level: the inputs must be valid (same device and dtype, matching shapes, a finite
+    /// positive scale; see [`try_flash_attention_masked`](crate::try_flash_attention_masked)) and
+    /// [`flash_attention_support`](crate::flash_attention_support) must have accepted them; this
+    /// panics otherwise. The output is `[batch, heads, seq_q, value_dim]` in the inputs' dtype,
+    /// the log-sum-exp `[batch, heads, seq_q]` in f32.
+    fn flash_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        #[extension_type] inputs: ScoreInputs<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionForward<Self>;
+
+    /// Gradients of the fused attention with respect to `q`, `k` and `v` (and the bias when
+    /// `bias_grad`), given the forward's `inputs`, `output` and `lse` and the gradient of the
+    /// output. Recomputes the softmax block by block; nothing of size `seq_q × seq_k` is stored,
+    /// except the bias gradient, which is as large as the bias broadcast to
+    /// `[batch, heads, seq_q, seq_k]` before it is summed to the bias's shape. Deterministic
+    /// unless `options.deterministic` is off.
+    ///
+    /// Low level, like [`flash_attention_forward`](Self::flash_attention_forward): the inputs
+    /// must be valid and accepted by
+    /// [`flash_attention_backward_support`](crate::flash_attention_backward_support).
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        #[extension_type] inputs: ScoreInputs<Self>,
+        output: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_output: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+        bias_grad: bool,
+    ) -> FlashAttentionGrads<Self>;
+}

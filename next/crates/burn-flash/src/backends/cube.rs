@@ -1,0 +1,128 @@
+//! [`FlashAttentionBackend`] for `CubeBackend`: the kernels of [`crate::kernel`], on every CubeCL
+//! runtime. Burn's `CubeTensor` and the kernels' `KernelTensor` hold the same fields: the
+//! conversions move the buffer, nothing is copied.
+
+use burn::backend::TensorMetadata;
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::{BoolTensor, FloatTensor};
+use burn::tensor::{BoolStore, DType};
+use burn_backend::cubecl::{dtype_to_elem_type, elem_type_to_dtype};
+use burn_cubecl::kernel::bool_cast;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, CubeDevice};
+
+use crate::backend::{
+    BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, ScoreInputs,
+};
+use crate::kernel::{self, KernelTensor};
+use crate::options::FlashAttentionOptions;
+
+/// The kernels' view of a Burn tensor.
+fn to_kernel(tensor: CubeTensor) -> KernelTensor {
+    KernelTensor {
+        client: tensor.client,
+        handle: tensor.handle,
+        meta: tensor.meta,
+        dtype: dtype_to_elem_type(tensor.dtype),
+    }
+}
+
+/// A kernel's output as a Burn tensor of `device`.
+fn from_kernel(tensor: KernelTensor, device: &CubeDevice) -> CubeTensor {
+    CubeTensor::new(
+        tensor.client,
+        tensor.handle,
+        *tensor.meta,
+        device.clone(),
+        elem_type_to_dtype(tensor.dtype),
+    )
+}
+
+/// The score inputs as the kernels read them: a mask of native booleans becomes bytes.
+fn kernel_inputs(inputs: ScoreInputs<CubeBackend>) -> kernel::ScoreInputs {
+    let (mask, bias) = inputs.into_parts();
+    let mask = mask.map(|mask: BoolTensor<CubeBackend>| match mask.dtype {
+        DType::Bool(BoolStore::Native) => bool_cast(mask, DType::U8),
+        _ => mask,
+    });
+    kernel::ScoreInputs::new(mask.map(to_kernel), bias.map(to_kernel))
+}
+
+/// The kernels' view of `options` for these queries and keys.
+fn score_params(
+    q: &CubeTensor,
+    k: &CubeTensor,
+    options: &FlashAttentionOptions,
+) -> kernel::ScoreParams {
+    let (q, k) = (q.shape(), k.shape());
+    kernel::ScoreParams::new(options, q[1], q[3], q[2], k[2])
+}
+
+impl FlashAttentionBackend for CubeBackend {
+    fn flash_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        inputs: ScoreInputs<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionForward<Self> {
+        let params = score_params(&q, &k, &options);
+        let device = q.device.clone();
+        let (output, lse) = kernel::forward(
+            to_kernel(q),
+            to_kernel(k),
+            to_kernel(v),
+            kernel_inputs(inputs),
+            params,
+        );
+        FlashAttentionForward {
+            output: from_kernel(output, &device),
+            lse: from_kernel(lse, &device),
+        }
+    }
+
+    fn flash_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        inputs: ScoreInputs<Self>,
+        output: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_output: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+        bias_grad: bool,
+    ) -> FlashAttentionGrads<Self> {
+        let params = score_params(&q, &k, &options);
+        let device = q.device.clone();
+        let bias_shape = inputs.bias().map(|bias| bias.shape());
+        let grads = kernel::backward(
+            to_kernel(q),
+            to_kernel(k),
+            to_kernel(v),
+            kernel_inputs(inputs),
+            to_kernel(output),
+            to_kernel(lse),
+            to_kernel(grad_output),
+            params,
+            options.deterministic,
+            bias_grad,
+        );
+        // The kernel writes the scores' gradient per (batch, head, query); a bias broadcast
+        // over some of them gets its sum.
+        let bias = grads.bias.zip(bias_shape).map(|(grad, shape)| {
+            let mut grad = from_kernel(grad, &device);
+            for (dim, &size) in shape.iter().enumerate().take(3) {
+                if size == 1 && grad.shape()[dim] != 1 {
+                    grad = Self::float_sum_dim(grad, dim);
+                }
+            }
+            grad
+        });
+        FlashAttentionGrads {
+            q: from_kernel(grads.q, &device),
+            k: from_kernel(grads.k, &device),
+            v: from_kernel(grads.v, &device),
+            bias: bias.map_or(BiasGrad::Absent, BiasGrad::Present),
+        }
+    }
+}
