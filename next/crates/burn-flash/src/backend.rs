@@ -160,11 +160,6 @@ impl<B: Backend> ScoreInputs<B> {
             Self::Neither | Self::Mask(_) => None,
         }
     }
-
-    /// Whether a mask is given.
-    pub fn has_mask(&self) -> bool {
-        matches!(self, Self::Mask(_) | Self::Both(..))
-    }
 }
 
 /// What the fused forward returns.
