@@ -7,6 +7,7 @@
 #   scripts/gpu-run.sh sanitize # compute-sanitizer (SANITIZERS) over the kernels on ragged shapes
 #   scripts/gpu-run.sh sources # dump the fused kernels' generated CUDA source (forward, backward)
 #   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV (TIMING)
+#   scripts/gpu-run.sh port    # the Burn 0.21 (.gpu) and Burn 0.23 (.gpu/next) builds' benches beside the torch script
 #   scripts/gpu-run.sh timing  # our forward timed b2b and clear (as do_bench), beside the torch script
 #   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
 #   scripts/gpu-run.sh features # issue 6's feature table (FEATURE_MODES, default fwd; BENCH_ARGS)
@@ -18,11 +19,14 @@
 # Several stages may be given; they run in order.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The binaries: `.gpu` (the root's, Burn 0.21) or `.gpu/next` (next/'s, Burn 0.23:
+# `scripts/pack-gpu.sh next`).
+BIN=${BIN:-.gpu}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-for f in .gpu/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
-chmod +x .gpu/test-* .gpu/bench-* .gpu/gpt 2>/dev/null
+for f in .gpu/*.xz .gpu/next/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
+chmod +x .gpu/test-* .gpu/bench-* .gpu/gpt .gpu/next/* 2>/dev/null
 if [ -e .gpu/fortunes.tar ]; then mkdir -p /tmp/corpus && tar -xf .gpu/fortunes.tar -C /tmp/corpus; fi
 # CubeCL's autotune results and compiled PTX, kept between calls: a GPT process otherwise spends
 # its first five minutes compiling and autotuning Burn's kernels on the CPU. CACHE=1 turns the
@@ -36,7 +40,7 @@ fi
 # `scripts/pack-gpu.sh` found them (the corpus of docs/gpt.md's runs), else the built-in corpus.
 DATA=()
 if [ -d /tmp/corpus/fortunes ]; then DATA=(--data /tmp/corpus/fortunes); fi
-GPT=(.gpu/gpt "${DATA[@]}" --layers 12 --d-model 768 --heads 12 --dtype bf16
+GPT=($BIN/gpt "${DATA[@]}" --layers 12 --d-model 768 --heads 12 --dtype bf16
   --lr 6e-4 --min-lr 6e-5 --log-every 25)
 # A GPT run's time limit: GPT_TIMEOUT, cut so that the script ends by GPT_DEADLINE seconds.
 gpt_limit() {
@@ -57,7 +61,7 @@ BENCH_N=${BENCH_N:-512,1024,2048,4096,8192,16384}
 for stage in "$@"; do
   case "$stage" in
   tests)
-    for t in .gpu/test-*; do
+    for t in $BIN/test-*; do
       echo "== $t"
       BURN_FLASH_REQUIRE_CUDA=1 "$t" --test-threads 1 ${TEST_FILTER:-cuda} 2>&1 | tee "$OUT/$(basename "$t").log" | tail -25
     done
@@ -93,7 +97,7 @@ for stage in "$@"; do
     }
     # The suite's CUDA tests in round $1 (all, alone, serial).
     tests_of() {
-      for t in .gpu/test-*; do
+      for t in $BIN/test-*; do
         for name in $("$t" --list ${TEST_FILTER:-cuda} 2>/dev/null | sed -n 's/: test$//p'); do
           case "$1" in
           all) [[ $name == *$alone* || $name == *$serial* ]] || echo "$t $name" ;;
@@ -118,7 +122,7 @@ for stage in "$@"; do
     for tool in ${SANITIZERS:-memcheck racecheck synccheck initcheck}; do
       ( BURN_FLASH_REQUIRE_CUDA=1 CUBECL_AUTOTUNE_LEVEL=minimal timeout "${SANITIZE_TIMEOUT:-400}" \
           compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 50 \
-          .gpu/test-suite --exact reliability::cuda::sanitizer_shapes_cuda \
+          $BIN/test-suite --exact reliability::cuda::sanitizer_shapes_cuda \
           masks::cuda::boolean_masks_cuda --test-threads 1 --nocapture \
           >"$OUT/sanitizer-$tool.log" 2>&1
         rc=$?
@@ -130,7 +134,7 @@ for stage in "$@"; do
     ;;
   sources)
     # The fused kernels' generated CUDA source, for register/spill checks where ptxas is.
-    CUBECL_DEBUG_LOG="$OUT/cubecl.log" .gpu/bench-attention --impls burn-flash --d "$BENCH_D" \
+    CUBECL_DEBUG_LOG="$OUT/cubecl.log" $BIN/bench-attention --impls burn-flash --d "$BENCH_D" \
       --n 256 --iters 1 --warmup 0 --causal both --modes fwd,fwdbwd >/dev/null 2>&1
     python3 - "$OUT/cubecl.log" "$OUT" <<'EOF'
 import re, sys, pathlib
@@ -153,7 +157,7 @@ EOF
   features)
     # Issue 6's table: plain attention and each feature, back to back in one process each,
     # bf16, d 64/128, n 2048/8192, causal and not; then GQA and a sliding window.
-    B=.gpu/bench-attention
+    B=$BIN/bench-attention
     {
       # Plain rows first and last: the table compares each feature with their mean.
       for extra in "" "--mask keypad" "--mask full" "--bias heads" "--alibi" "--dropout 0.1" \
@@ -171,11 +175,28 @@ EOF
     # PyTorch first, so that our summary (the '#' lines after our CSV) includes its rows.
     python3 .gpu/torch_sdpa_bench.py --d "$BENCH_D" --n "$BENCH_N" --causal both \
       --backends flash,cudnn --modes "${TORCH_MODES:-fwd}" 2>"$OUT/torch.err" | tee "$OUT/torch.csv"
-    .gpu/bench-attention --d "$BENCH_D" --n "$BENCH_N" --causal both --peers "$OUT/torch.csv" \
+    $BIN/bench-attention --d "$BENCH_D" --n "$BENCH_N" --causal both --peers "$OUT/torch.csv" \
       --timing "$TIMING" ${BENCH_ARGS:-} 2>"$OUT/bench.err" | tee "$OUT/bench.csv"
     { awk '/^# summary/ { exit } { print }' "$OUT/bench.csv"; grep -v '^impl,' "$OUT/torch.csv"; } \
       >"$OUT/h100.csv"
     sed -n '/^# summary/,$p' "$OUT/bench.csv" >"$OUT/summary.txt"
+    ;;
+  port)
+    # The port's acceptance table (next/README.md): burn-flash of the Burn 0.21 build (.gpu) and
+    # of the Burn 0.23 build (.gpu/next) on the same shapes, forward and training step, the
+    # latter also with the atomic dQ, beside PyTorch's backends; one CSV per build.
+    python3 .gpu/torch_sdpa_bench.py --d "$BENCH_D" --n "$BENCH_N" --causal both \
+      --backends flash,cudnn --modes fwd,fwdbwd 2>"$OUT/torch.err" | tee "$OUT/torch.csv"
+    for bin in .gpu .gpu/next; do
+      tag=burn021 && [ "$bin" = .gpu/next ] && tag=burn023
+      {
+        $bin/bench-attention --impls burn-flash --d "$BENCH_D" --n "$BENCH_N" --causal both \
+          --modes fwd,fwdbwd --timing "$TIMING" ${BENCH_ARGS:-}
+        $bin/bench-attention --impls burn-flash --d "$BENCH_D" --n "$BENCH_N" --causal both \
+          --modes fwdbwd --atomic-dq --timing "$TIMING" ${BENCH_ARGS:-}
+      } 2>"$OUT/$tag.err" | grep -v '^#' | awk '/^impl,/ { if (seen++) next } { print }' \
+        | tee "$OUT/$tag.csv"
+    done
     ;;
   timing)
     # The bench's two timing methods against each other (docs/performance.md, "Timing method
@@ -190,18 +211,18 @@ EOF
         --backends flash --modes fwd 2>>"$OUT/timing.err" | sed 's/^/do_bench,/'
       for round in 1 2; do
         for method in b2b clear; do
-          .gpu/bench-attention --impls burn-flash --d "$TIMING_D" --n "$TIMING_N" --causal both \
+          $BIN/bench-attention --impls burn-flash --d "$TIMING_D" --n "$TIMING_N" --causal both \
             --modes fwd --iters 10 --timing $method 2>>"$OUT/timing.err" | sed "s/^/$method,/"
         done
       done
-      .gpu/bench-attention --impls burn-unfused,burn-flash --d 128 --n 2048,4096,8192 \
+      $BIN/bench-attention --impls burn-unfused,burn-flash --d 128 --n 2048,4096,8192 \
         --causal false --modes fwd --timing clear 2>>"$OUT/timing.err" | sed 's/^/clear,/'
     } | grep -v ',#\|,impl,' | tee -a "$OUT/timing.csv"
     ;;
   tune)
     for shape in ${SHAPES:-4,32,64}; do
       echo "# BURN_FLASH_TC_SHAPE=$shape"
-      BURN_FLASH_TC_SHAPE=$shape .gpu/bench-attention --impls burn-flash --d "$BENCH_D" \
+      BURN_FLASH_TC_SHAPE=$shape $BIN/bench-attention --impls burn-flash --d "$BENCH_D" \
         --n "$BENCH_N" --causal both --iters 20 --timing "$TIMING" 2>>"$OUT/tune.err" | sed "s/^burn-flash,/burn-flash[$shape],/"
     done | tee -a "$OUT/tune.csv"
     ;;
@@ -211,7 +232,7 @@ EOF
     : >"$OUT/memory.raw"
     for impl in ${MEM_IMPLS:-burn-flash burn-unfused}; do
       for n in ${MEM_N:-4096 16384 32768}; do
-        timeout "${MEM_TIMEOUT:-150}" .gpu/bench-attention --memory --impls "$impl" --b 1 --h 16 \
+        timeout "${MEM_TIMEOUT:-150}" $BIN/bench-attention --memory --impls "$impl" --b 1 --h 16 \
           --d 128 --n "$n" --causal "${MEM_CAUSAL:-false}" >>"$OUT/memory.raw" 2>>"$OUT/memory.err" \
           || echo "# $impl n=$n exited $?" >>"$OUT/memory.raw"
       done
@@ -272,7 +293,7 @@ EOF
     for d in ${PROF_D:-64 128}; do
       ncu --clock-control none --set full --import-source no -f -o "$OUT/ours-d$d" \
         --kernel-name regex:'flash_forward|key_value_grads|query_grads' --launch-skip 3 \
-        --launch-count 3 .gpu/bench-attention --impls burn-flash --modes fwdbwd --d "$d" \
+        --launch-count 3 $BIN/bench-attention --impls burn-flash --modes fwdbwd --d "$d" \
         --n "$n" --causal false --iters 2 --warmup 1 >"$OUT/ours-d$d.log" 2>&1
       ncu --clock-control none --set full --import-source no -f -o "$OUT/fa2-d$d" \
         --kernel-name regex:'flash_fwd_kernel|flash_bwd_dq_dk_dv' --launch-skip 2 \

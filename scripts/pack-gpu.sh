@@ -5,6 +5,8 @@
 #
 #   scripts/pack-gpu.sh       # tests, benchmarks and the GPT example
 #   scripts/pack-gpu.sh gpt   # only the GPT example, beside what .gpu/ holds
+#   scripts/pack-gpu.sh next  # next/'s (Burn 0.23) CUDA suite and bench into .gpu/next/, beside
+#                             # what .gpu/ holds (run them with BIN=.gpu/next scripts/gpu-run.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pack_gpt() {
@@ -17,30 +19,40 @@ pack_gpt() {
     tar -cf .gpu/fortunes.tar -C /usr/share/games fortunes
   fi
 }
+# The executables of a cargo build's JSON messages whose target kind is $1, as "name path" lines.
+executables() {
+  python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == [sys.argv[1]]:
+        print(m["target"]["name"], m["executable"])
+' "$1"
+}
+pack_next() {
+  # CubeCL 0.12's CUDA runtime links LLVM: Debian's, where the bundler cannot download one.
+  scripts/llvm-offline.sh >/dev/null
+  rm -rf .gpu/next && mkdir -p .gpu/next
+  (cd next && cargo test --release --features cuda --test suite --no-run --message-format json) \
+    | executables test | while read -r name exe; do cp "$exe" ".gpu/next/test-$name"; done
+  (cd next && cargo bench --features cuda --bench attention --no-run --message-format json) \
+    | executables bench | while read -r name exe; do cp "$exe" ".gpu/next/bench-$name"; done
+  cp ../shared/tools/torch_sdpa_bench.py .gpu/
+  strip .gpu/next/*
+  xz -T2 -6 .gpu/next/*
+}
+if [ "${1:-}" = next ]; then
+  mkdir -p .gpu && pack_next && ls -la .gpu .gpu/next && exit 0
+fi
 if [ "${1:-}" = gpt ]; then
   mkdir -p .gpu && pack_gpt && ls -la .gpu && exit 0
 fi
 rm -rf .gpu && mkdir -p .gpu
 # The suite's one test binary (its CUDA tests are the modules `forward_cuda`, `backward_cuda`).
-cargo test --release --features cuda --test suite --no-run \
-  --message-format json \
-  | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        print(m["target"]["name"], m["executable"])
-' | while read -r name exe; do
-  cp "$exe" ".gpu/test-$name"
-done
+cargo test --release --features cuda --test suite --no-run --message-format json \
+  | executables test | while read -r name exe; do cp "$exe" ".gpu/test-$name"; done
 cargo bench --features cuda --no-run --message-format json \
-  | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["bench"]:
-        print(m["target"]["name"], m["executable"])
-' | while read -r name exe; do cp "$exe" ".gpu/bench-$name"; done
+  | executables bench | while read -r name exe; do cp "$exe" ".gpu/bench-$name"; done
 cp ../shared/tools/torch_sdpa_bench.py .gpu/
 strip .gpu/test-* .gpu/bench-* 2>/dev/null || true
 xz -T2 -6 .gpu/test-* .gpu/bench-*
