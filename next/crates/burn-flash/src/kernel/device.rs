@@ -40,7 +40,11 @@ pub struct DeviceCaps {
 impl DeviceCaps {
     /// The features of `client`'s device for inputs of `dtype`.
     pub fn of(client: &Client, dtype: ElemType) -> Self {
-        let props = client.properties();
+        Self::from_properties(client.properties(), dtype)
+    }
+
+    /// The features of a device with these properties for inputs of `dtype`.
+    pub fn from_properties(props: &DeviceProperties, dtype: ElemType) -> Self {
         let features = &props.features;
         let elem = dtype;
         let mma = MmaConfig {

@@ -7,7 +7,8 @@
 //! `dropout`, `grid`, then the two passes, `forward` and `backward`. Host side: `tuning`
 //! (environment overrides), `device` (the device's features), `tensors`, `pack`, and in each
 //! pass a `plan` (what runs, decided on the host and unit-tested there) and a `launch` (what is
-//! allocated and enqueued).
+//! allocated and enqueued). `sources` creates the fused launches' kernels without a client,
+//! for tools that compile them without the device.
 
 mod backward;
 mod band;
@@ -20,6 +21,8 @@ mod inputs;
 mod mask;
 mod pack;
 mod softmax;
+#[doc(hidden)]
+pub mod sources;
 mod stage;
 mod tensors;
 mod tile;

@@ -345,21 +345,35 @@ pub(crate) fn fill_tensor(tensor: &KernelTensor, value: f32) {
 /// stages are read with: one box per stage at head dim 64, one per panel of 64 columns wider
 /// ([`TileConfig::staged_pitch`]).
 pub(crate) fn stage_map(t: &KernelTensor, cfg: &TileConfig) -> Option<TensorMapArg<Tiled>> {
+    stage_map_of(|| t.clone().into_tensor_arg(), t.dtype, cfg)
+}
+
+/// [`stage_map`] of the tensor argument `tensor` makes, of `dtype`.
+pub(crate) fn stage_map_of(
+    tensor: impl FnOnce() -> TensorArg,
+    dtype: ElemType,
+    cfg: &TileConfig,
+) -> Option<TensorMapArg<Tiled>> {
     cfg.tma.then(|| {
         let tile = Shape::new([1, 1, cfg.block_kv, 8 * CHUNK]);
-        TensorMapArg::new(TiledArgs::new(tile), t.clone().into_tensor_arg(), t.dtype)
+        TensorMapArg::new(TiledArgs::new(tile), tensor(), dtype)
             .with_swizzle(TensorMapSwizzle::B128)
     })
 }
 
-/// Whether `t` can be read through a tensor map: its start and every stride but the unit one
-/// are whole 16-byte units.
+/// Whether `t` can be read through a tensor map ([`layout_tma_aligned`]).
 pub(crate) fn tma_aligned(t: &KernelTensor) -> bool {
-    let size = t.dtype.size();
-    let strides = t.meta.strides();
-    t.handle.offset_start.unwrap_or(0).is_multiple_of(16)
+    let offset = t.handle.offset_start.unwrap_or(0);
+    layout_tma_aligned(offset, t.meta.strides(), t.dtype.size())
+}
+
+/// Whether a tensor starting `offset` bytes into its buffer, with these strides (in elements
+/// of `elem_size` bytes), can be read through a tensor map: its start and every stride but the
+/// unit one are whole 16-byte units.
+pub(crate) fn layout_tma_aligned(offset: u64, strides: &[usize], elem_size: usize) -> bool {
+    offset.is_multiple_of(16)
         && strides[strides.len() - 1] == 1
         && strides
             .iter()
-            .all(|s| (s * size).is_multiple_of(16) || *s == 1)
+            .all(|s| (s * elem_size).is_multiple_of(16) || *s == 1)
 }

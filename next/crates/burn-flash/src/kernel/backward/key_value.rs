@@ -22,6 +22,7 @@ use crate::kernel::tile::AttentionTile;
 // `exp` as the forward computes it (`__expf`), which the backward's `P` must reproduce.
 #[cube(
     launch_unchecked,
+    create_dummy_kernel,
     address_type = "dynamic",
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 )]

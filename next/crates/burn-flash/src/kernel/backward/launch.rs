@@ -6,14 +6,15 @@
 use cubecl::ir::ElemType;
 use cubecl::prelude::*;
 use cubecl::zspace::Shape;
+use cubecl::zspace::metadata::Metadata;
 
 use super::key_value::key_value_grads;
 use super::plan::{BackwardPlan, BackwardProblem};
 use super::query::{finish_query_grads, query_grads};
 use super::row_dot::row_dot;
-use super::tail::{TailSplitLaunch, finish_tail};
+use super::tail::{TailPlan, TailSplitLaunch, finish_tail};
 use super::walk::{StridesLaunch, WalkDimsLaunch};
-use crate::kernel::config::{ScoreParams, TailPart, TilePath};
+use crate::kernel::config::{ScoreParams, TailPart, TileConfig, TilePath};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::{cube_count, cube_dim};
 use crate::kernel::tensors::{
@@ -35,25 +36,78 @@ pub fn backward_support(
 
 /// The [`WalkDims`](super::walk::WalkDims) of a launch over queries `q` and keys `k` that
 /// stages `first` and `second`, with statistics `stats` (`[b, h, seq_q]`).
-fn walk_dims(
-    q: &KernelTensor,
-    k: &KernelTensor,
-    first: &KernelTensor,
-    second: &KernelTensor,
-    stats: &KernelTensor,
+pub(super) fn walk_dims(
+    q: &Metadata,
+    k: &Metadata,
+    first: &Metadata,
+    second: &Metadata,
+    stats: &Metadata,
 ) -> WalkDimsLaunch {
-    let strides = |t: &KernelTensor| {
-        let s = t.meta.strides();
+    let strides = |t: &Metadata| {
+        let s = t.strides();
         StridesLaunch::new(s[0], s[1], s[2])
     };
     WalkDimsLaunch::new(
-        q.meta.shape()[2],
-        k.meta.shape()[2],
-        q.meta.shape()[1],
-        k.meta.shape()[1],
+        q.shape()[2],
+        k.shape()[2],
+        q.shape()[1],
+        k.shape()[1],
         strides(first),
         strides(second),
         strides(stats),
+    )
+}
+
+/// The dK/dV launches of the blocks `cfg` over `seq_k` keys of `kv_heads` heads and `batch`
+/// sequences, with the last wave split as `tail` says: the whole grid, or its whole cubes and
+/// then the pieces ([`TailPart`]).
+pub(super) fn key_value_parts(
+    cfg: &TileConfig,
+    tail: Option<TailPlan>,
+    seq_k: usize,
+    kv_heads: usize,
+    batch: usize,
+) -> Vec<(CubeCount, TileConfig)> {
+    let grid = || cube_count(cfg, seq_k, kv_heads, batch);
+    match tail {
+        _ if seq_k == 0 => Vec::new(),
+        None => vec![(grid(), *cfg)],
+        Some(plan) => [
+            (plan.whole > 0).then(|| (grid(), cfg.with_tail(TailPart::Whole))),
+            Some((
+                CubeCount::Static(plan.pieces as u32, plan.split as u32, 1),
+                cfg.with_tail(TailPart::Pieces),
+            )),
+        ]
+        .into_iter()
+        .flatten()
+        .collect(),
+    }
+}
+
+/// The shape of the partial dK/dV sums of a split last wave: each piece's `cfg.block_q` rows
+/// whole, dK's columns then dV's.
+pub(super) fn partials_shape(cfg: &TileConfig, plan: TailPlan) -> Shape {
+    Shape::new([
+        plan.split * plan.pieces,
+        cfg.block_q,
+        cfg.head_dim + cfg.value_dim,
+    ])
+}
+
+/// The [`TailSplit`](super::tail::TailSplit) of a dK/dV launch over `key_blocks` owned blocks
+/// per (batch, head) whose grid's second extent is `grid_rows`, split as `tail` says.
+pub(super) fn tail_split(
+    tail: Option<TailPlan>,
+    key_blocks: usize,
+    grid_rows: usize,
+) -> TailSplitLaunch {
+    let (whole, pieces) = tail.map_or((0, 1), |plan| (plan.whole, plan.pieces));
+    TailSplitLaunch::new(
+        whole as u32,
+        pieces as u32,
+        key_blocks as u32,
+        grid_rows as u32,
     )
 }
 
@@ -153,43 +207,11 @@ pub fn backward(
         crate::testing::record_tail_split();
     }
     let key_blocks = seq_k.div_ceil(cfg.block_q);
-    // The split cubes' partial dK/dV sums, each piece's rows whole (see `tail`).
-    let partials = tail.map(|plan| {
-        output(
-            &q,
-            Shape::new([plan.split * plan.pieces, cfg.block_q, head_dim + value_dim]),
-            F32,
-        )
-    });
-    // The dK/dV launches: the whole grid, or its whole cubes and then the pieces.
-    let key_value_parts = match tail {
-        _ if seq_k == 0 => Vec::new(),
-        None => vec![(cube_count(&cfg, seq_k, kv_heads, batch), cfg, None)],
-        Some(plan) => [
-            (plan.whole > 0).then(|| {
-                let grid = cube_count(&cfg, seq_k, kv_heads, batch);
-                (grid, cfg.with_tail(TailPart::Whole), None)
-            }),
-            Some((
-                CubeCount::Static(plan.pieces as u32, plan.split as u32, 1),
-                cfg.with_tail(TailPart::Pieces),
-                partials.clone(),
-            )),
-        ]
-        .into_iter()
-        .flatten()
-        .collect(),
-    };
+    // The split cubes' partial dK/dV sums (see `tail`).
+    let partials = tail.map(|plan| output(&q, partials_shape(&cfg, plan), F32));
+    let key_value_parts = key_value_parts(&cfg, tail, seq_k, kv_heads, batch);
     let grid_rows = if cfg.batch_inner { batch } else { kv_heads };
-    let (whole, pieces) = tail.map_or((0, 1), |plan| (plan.whole, plan.pieces));
-    let tail_split = || {
-        TailSplitLaunch::new(
-            whole as u32,
-            pieces as u32,
-            key_blocks as u32,
-            grid_rows as u32,
-        )
-    };
+    let pieces = tail.map_or(1, |plan| plan.pieces);
     // The atomic dQ's f32 accumulator, contiguous and zeroed (see `key_value`).
     let accum = cfg.atomic_dq.then(|| {
         let accum = KernelTensor::empty(&client, Shape::new([batch, heads, seq_q, head_dim]), F32);
@@ -205,7 +227,7 @@ pub fn backward(
     let softcap = params.softcap.unwrap_or(1.0);
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
     let alibi_pow2 = params.alibi_pow2.unwrap_or(1);
-    let query_dims = walk_dims(&q, &k, &k, &v, &lse);
+    let query_dims = walk_dims(&q.meta, &k.meta, &k.meta, &v.meta, &lse.meta);
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernels form is
     // bounded by the tensors' shapes (rows past the ends are clamped, zero-filled or skipped).
@@ -239,7 +261,10 @@ pub fn backward(
         }
         macro_rules! launch_grads {
             ($tile:ty) => {{
-                for (grid, part_cfg, part_partials) in key_value_parts.iter().cloned() {
+                for (grid, part_cfg) in key_value_parts.iter().cloned() {
+                    let part_partials = partials
+                        .clone()
+                        .filter(|_| part_cfg.tail == TailPart::Pieces);
                     key_value_grads::launch_unchecked::<$tile>(
                         &client,
                         grid,
@@ -268,8 +293,8 @@ pub fn backward(
                             Some(partials) => ComptimeOptionArgs::Some(partials.into_tensor_arg()),
                             None => ComptimeOptionArgs::None,
                         },
-                        walk_dims(&q, &k, &q, &d_out, &lse),
-                        tail_split(),
+                        walk_dims(&q.meta, &k.meta, &q.meta, &d_out.meta, &lse.meta),
+                        tail_split(tail, key_blocks, grid_rows),
                         params.scale,
                         params.left,
                         params.right,
@@ -293,7 +318,7 @@ pub fn backward(
                         partials.into_tensor_arg(),
                         d_k.clone().into_tensor_arg(),
                         d_v.clone().into_tensor_arg(),
-                        tail_split(),
+                        tail_split(tail, key_blocks, grid_rows),
                         seq_k,
                         params.scale,
                         cfg,

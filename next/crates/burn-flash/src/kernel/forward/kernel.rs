@@ -55,6 +55,7 @@ struct Coords {
 
 #[cube(
     launch_unchecked,
+    create_dummy_kernel,
     address_type = "dynamic",
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 )]
