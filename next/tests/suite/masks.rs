@@ -3,7 +3,8 @@
 //! attention, against the f64 reference of `common` given the same mask and bias. Rows the mask
 //! (or a bias of `-inf`) hides entirely must be exactly 0, gradients included. The checks take
 //! the device, dtype and expected path as arguments: `wgpu` runs them on the portable tile in f32
-//! (lavapipe in CI) with a fixed tolerance.
+//! (lavapipe in CI) with a fixed tolerance, `cuda` on the tensor-core tile in bf16 with DESIGN.md's
+//! 2× rule.
 
 use crate::common;
 
@@ -909,5 +910,339 @@ fn inputs_on_another_device_are_refused() {
             FlashAttentionError::InputDevice { input: got, .. } => assert_eq!(got, input),
             other => panic!("expected a device error for the {input}, got {other}"),
         }
+    }
+}
+
+/// The tensor-core tile on an autodiff CUDA device in bf16 (Burn 0.21: `Autodiff<Cuda<bf16>>`),
+/// with DESIGN.md's 2× rule.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use burn_flash::{FlashAttentionError, FlashAttentionOptions, try_flash_attention_masked};
+    use common::cuda::cuda_device;
+
+    fn check_all(test: &str, cases: &[Case], first_seed: u64) {
+        let Some(device) = cuda_device(test) else {
+            return;
+        };
+        let device = device.autodiff();
+        let mut failures = Vec::new();
+        for (index, case) in cases.iter().enumerate() {
+            let seed = first_seed + index as u64;
+            let outcome = run(
+                &device,
+                case,
+                DType::BF16,
+                seed,
+                Some(TilePath::TensorCore),
+                true,
+            );
+            failures.extend(outcome.failures);
+            for (name, got, reference, unfused, row) in &outcome.results {
+                let unfused = unfused.as_ref().expect("unfused baseline");
+                failures.extend(crate::reliability::twice_unfused(
+                    &outcome.label,
+                    name,
+                    got,
+                    unfused,
+                    reference,
+                    *row,
+                    DType::BF16,
+                    0.0,
+                ));
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    fn bias(dims: [usize; 4]) -> Option<BiasInput> {
+        Some(BiasInput {
+            dims,
+            neg_inf: false,
+            grad: true,
+        })
+    }
+
+    /// Dropout on the tensor cores at several head dims, with GQA, causal, the atomic dQ, a
+    /// padding mask and a bias with its gradient; the unfused baseline drops the same pairs.
+    #[test]
+    fn dropout_cuda() {
+        // The atomic case must run the atomic dQ, not the faster launch for its 300 keys.
+        let _atomic = burn_flash::testing::force_atomic_dq();
+        let mut atomic = Case::new(
+            Problem::square(1, 2, 300, 128),
+            Spec::from(false),
+            MaskInput::None,
+            None,
+        )
+        .with_dropout(0.3, 77);
+        atomic.deterministic = false;
+        check_all(
+            "dropout_cuda",
+            &[
+                Case::new(
+                    Problem::cross(2, 4, 130, 200, 64).grouped(2),
+                    Spec::from(true),
+                    MaskInput::None,
+                    None,
+                )
+                .with_dropout(0.1, 5),
+                atomic,
+                Case::new(
+                    Problem::cross(1, 2, 150, 77, 256),
+                    Spec::from(false),
+                    MaskInput::None,
+                    None,
+                )
+                .with_dropout(0.2, u64::MAX),
+                Case::new(
+                    Problem::square(2, 2, 140, 96),
+                    Spec::from(true),
+                    MaskInput::KeyPadding,
+                    bias([1, 2, 140, 140]),
+                )
+                .with_dropout(0.5, 1 << 33),
+            ],
+            850,
+        );
+    }
+
+    /// ALiBi on the tensor cores: 12 heads causal at d 128, 6 heads (interleaved slopes) over 2
+    /// key/value heads with a bias gradient at d 64, not causal, more keys than queries; a
+    /// document mask (whole blocks skipped, the walk narrowed to the visible ones); a window
+    /// over fewer keys than queries (early rows' diagonals left of key 0).
+    #[test]
+    fn alibi_cuda() {
+        check_all(
+            "alibi_cuda",
+            &[
+                Case::new(
+                    Problem::square(1, 12, 200, 128),
+                    Spec::from(true),
+                    MaskInput::None,
+                    None,
+                )
+                .with_alibi(),
+                Case::new(
+                    Problem::cross(2, 6, 130, 260, 64).grouped(2),
+                    Spec::from(false),
+                    MaskInput::None,
+                    bias([1, 6, 130, 260]),
+                )
+                .with_alibi(),
+                Case::new(
+                    Problem::square(2, 4, 520, 64),
+                    Spec::from(false),
+                    MaskInput::Documents(150),
+                    None,
+                )
+                .with_alibi(),
+                Case::new(
+                    Problem::cross(1, 8, 333, 200, 128),
+                    Spec {
+                        left: Some(90),
+                        right: Some(70),
+                        ..Spec::default()
+                    },
+                    MaskInput::None,
+                    None,
+                )
+                .with_alibi(),
+            ],
+            870,
+        );
+    }
+
+    /// Masks at tensor-core head dims, across several 128×64 forward and 64×64 backward blocks.
+    #[test]
+    fn boolean_masks_cuda() {
+        check_all(
+            "boolean_masks_cuda",
+            &[
+                // 208 keys: staged (one row of keys per block); 300 keys: read in place.
+                Case::new(
+                    Problem::cross(3, 2, 130, 208, 64),
+                    Spec::from(false),
+                    MaskInput::KeyPadding,
+                    None,
+                ),
+                Case::new(
+                    Problem::cross(3, 2, 1, 300, 128),
+                    Spec::from(false),
+                    MaskInput::KeyPadding,
+                    None,
+                ),
+                Case::new(
+                    Problem::square(2, 2, 150, 128),
+                    Spec::from(true),
+                    MaskInput::Full([2, 2, 150, 150]),
+                    None,
+                ),
+                // The tensor-core forward packs per-pair masks into bits: the last KV block and
+                // query block cross the sequences' ends, an odd key count reads the mask an
+                // element at a time.
+                // Documents: planes skip the blocks the mask hides wholly, and select nothing
+                // in the blocks it hides nowhere.
+                Case::new(
+                    Problem::square(3, 2, 400, 64),
+                    Spec::from(false),
+                    MaskInput::Documents(96),
+                    None,
+                ),
+                // Expanded over heads: packed once per batch.
+                Case::new(
+                    Problem::square(3, 2, 400, 64),
+                    Spec::from(true),
+                    MaskInput::Documents(96),
+                    None,
+                )
+                .expanded(),
+                Case::new(
+                    Problem::cross(2, 2, 300, 520, 128),
+                    Spec::from(true),
+                    MaskInput::Documents(150),
+                    None,
+                ),
+                Case::new(
+                    Problem::cross(2, 3, 70, 333, 64),
+                    Spec::from(true),
+                    MaskInput::Full([2, 1, 70, 333]),
+                    None,
+                ),
+                Case::new(
+                    Problem::cross(2, 2, 150, 208, 128),
+                    Spec::from(true),
+                    MaskInput::Full([2, 2, 150, 208]),
+                    None,
+                ),
+                Case::new(
+                    Problem::cross(1, 4, 140, 256, 64).grouped(2),
+                    Spec {
+                        left: Some(90),
+                        right: Some(20),
+                        ..Spec::default()
+                    },
+                    MaskInput::Full([1, 1, 140, 256]),
+                    None,
+                ),
+            ],
+            800,
+        );
+    }
+
+    /// Biases with gradients (full, per head, per key, with `-inf`), with the softcap, GQA, the
+    /// atomic-dQ option (a bias gradient keeps the dQ launch) and a mask.
+    #[test]
+    fn additive_bias_cuda() {
+        let capped = Spec {
+            causal: true,
+            softcap: Some(5.0),
+            ..Spec::default()
+        };
+        let mut atomic = Case::new(
+            Problem::cross(2, 4, 130, 150, 128).grouped(2),
+            capped,
+            MaskInput::None,
+            bias([1, 4, 130, 150]),
+        );
+        atomic.deterministic = false;
+        check_all(
+            "additive_bias_cuda",
+            &[
+                Case::new(
+                    Problem::square(2, 2, 140, 64),
+                    Spec::from(false),
+                    MaskInput::None,
+                    bias([2, 2, 140, 140]),
+                ),
+                // Key counts that are multiples of 8: the forward stages these biases in shared
+                // memory; at d 256 only the mask fits beside the K/V stages.
+                Case::new(
+                    Problem::cross(2, 2, 140, 144, 64),
+                    Spec::from(false),
+                    MaskInput::None,
+                    bias([2, 2, 140, 144]),
+                ),
+                Case::new(
+                    Problem::square(2, 2, 192, 128),
+                    Spec::from(true),
+                    MaskInput::KeyPadding,
+                    Some(BiasInput {
+                        dims: [2, 2, 192, 192],
+                        neg_inf: true,
+                        grad: true,
+                    }),
+                ),
+                Case::new(
+                    Problem::square(1, 2, 160, 256),
+                    Spec::from(false),
+                    MaskInput::Full([1, 2, 160, 160]),
+                    bias([1, 1, 160, 160]),
+                ),
+                // Expanded views, staged as the broadcasts they are.
+                Case::new(
+                    Problem::cross(2, 2, 140, 144, 64),
+                    Spec::from(true),
+                    MaskInput::Full([2, 1, 140, 144]),
+                    bias([1, 2, 140, 144]),
+                )
+                .expanded(),
+                atomic,
+                Case::new(
+                    Problem::cross(2, 2, 70, 200, 64),
+                    Spec::from(false),
+                    MaskInput::None,
+                    bias([2, 1, 1, 200]),
+                ),
+                Case::new(
+                    Problem::square(3, 2, 100, 128),
+                    Spec::from(true),
+                    MaskInput::KeyPadding,
+                    Some(BiasInput {
+                        dims: [3, 2, 100, 100],
+                        neg_inf: true,
+                        grad: true,
+                    }),
+                ),
+                // `-inf` in a staged bf16 bias at head dim 64, where the tensor cores add it
+                // with the factor in one part.
+                Case::new(
+                    Problem::square(2, 2, 136, 64),
+                    Spec::from(false),
+                    MaskInput::None,
+                    Some(BiasInput {
+                        dims: [2, 2, 136, 136],
+                        neg_inf: true,
+                        grad: false,
+                    }),
+                ),
+            ],
+            820,
+        );
+    }
+
+    #[test]
+    fn bias_dtype_must_match_cuda() {
+        let Some(device) = cuda_device("bias_dtype_must_match_cuda") else {
+            return;
+        };
+        let x = tensor_from_host(&[0.0; 1024], [1, 2, 8, 64], DType::BF16, &device);
+        let bias = tensor_from_host(&[0.0; 128], [1, 2, 8, 8], DType::F32, &device);
+        let error = try_flash_attention_masked(
+            x.clone(),
+            x.clone(),
+            x,
+            None,
+            Some(bias),
+            FlashAttentionOptions::new(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            error,
+            FlashAttentionError::BiasDType {
+                expected: DType::BF16,
+                got: DType::F32
+            }
+        );
     }
 }

@@ -1,6 +1,8 @@
 //! Reliability: random shapes and options from a fixed seed list, logits up to ±1e4, non-finite
-//! inputs, many threads calling at once. The checks take the device and dtype as arguments;
-//! `wgpu` runs them on the portable tile (lavapipe in CI).
+//! inputs, many threads calling at once, and (CUDA) sequences of 256k keys, tensors, masks and
+//! biases of more than 2^31 elements, and the ragged shapes `compute-sanitizer` runs over
+//! (`scripts/gpu-run.sh sanitize`). The checks take the device and dtype as arguments; `wgpu` runs
+//! them on the portable tile (lavapipe in CI), `cuda` on the tensor-core tile.
 
 use crate::common;
 
@@ -442,5 +444,471 @@ mod wgpu {
     fn concurrent_calls_wgpu() {
         let failures = concurrent_calls(&device(), DType::F32, 32);
         assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+}
+
+/// The tensor-core tile on an autodiff CUDA device in bf16 (Burn 0.21: `Autodiff<Cuda<bf16>>`).
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use burn::tensor::Distribution;
+    use burn_flash::{AttentionMask, flash_attention_masked};
+    use common::{reference_row_keys, unfused_row_keys, unit_roundoff};
+
+    /// The autodiff CUDA device, or `None` when the test skips (see `common::cuda`).
+    fn cuda_device(test: &str) -> Option<Device> {
+        crate::common::cuda::cuda_device(test).map(Device::autodiff)
+    }
+
+    fn assert_none(failures: Vec<String>) {
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn extreme_logits_cuda() {
+        let Some(device) = cuda_device("extreme_logits_cuda") else {
+            return;
+        };
+        let cases = [
+            (Problem::square(1, 2, 150, 64), false),
+            (Problem::cross(1, 2, 100, 180, 128), true),
+            (Problem::cross(2, 4, 90, 130, 64).grouped(2), true),
+        ];
+        assert_none(extreme_logits(&device, DType::BF16, &cases));
+    }
+
+    #[test]
+    fn non_finite_inputs_cuda() {
+        let Some(device) = cuda_device("non_finite_inputs_cuda") else {
+            return;
+        };
+        let mut failures = non_finite_inputs(&device, DType::BF16, 64, true);
+        failures.extend(non_finite_inputs(&device, DType::BF16, 128, true));
+        assert_none(failures);
+    }
+
+    #[test]
+    fn concurrent_calls_cuda() {
+        let Some(device) = cuda_device("concurrent_calls_cuda") else {
+            return;
+        };
+        assert_none(concurrent_calls(&device, DType::BF16, 64));
+    }
+
+    /// The scores' gradient `dS_j = P_j (dP_j − D)` of one query row in f64 over the keys
+    /// `seen`, with `P` the softmax of `scale · q·k_j + bias_j`, `dP_j = dO·v_j` and
+    /// `D = Σ_j P_j dP_j`.
+    fn reference_ds_row(
+        q_row: &[f64],
+        keys: &[f64],
+        values: &[f64],
+        g_row: &[f64],
+        seen: &[usize],
+        scale: f64,
+        bias: Option<&[f64]>,
+    ) -> Vec<f64> {
+        let (d, dv) = (q_row.len(), g_row.len());
+        let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+        let scores: Vec<f64> = seen
+            .iter()
+            .map(|&j| scale * dot(q_row, &keys[j * d..(j + 1) * d]) + bias.map_or(0.0, |b| b[j]))
+            .collect();
+        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let sum: f64 = weights.iter().sum();
+        let dp: Vec<f64> = seen
+            .iter()
+            .map(|&j| dot(g_row, &values[j * dv..(j + 1) * dv]))
+            .collect();
+        let row_dot: f64 = weights.iter().zip(&dp).map(|(w, p)| w / sum * p).sum();
+        weights
+            .iter()
+            .zip(&dp)
+            .map(|(w, p)| w / sum * (p - row_dot))
+            .collect()
+    }
+
+    /// dQ of one query row in f64: `scale · Σ_j dS_j k_j` over the keys `seen`
+    /// ([`reference_ds_row`]).
+    fn reference_dq_row(
+        q_row: &[f64],
+        keys: &[f64],
+        values: &[f64],
+        g_row: &[f64],
+        seen: &[usize],
+        scale: f64,
+    ) -> Vec<f64> {
+        let d = q_row.len();
+        let ds = reference_ds_row(q_row, keys, values, g_row, seen, scale, None);
+        let mut dq = vec![0.0; d];
+        for (&j, ds) in seen.iter().zip(&ds) {
+            for (o, k) in dq.iter_mut().zip(&keys[j * d..(j + 1) * d]) {
+                *o += ds * scale * k;
+            }
+        }
+        dq
+    }
+
+    /// Sampled rows of one (batch, head) of a long call: the output by the rule of
+    /// [`twice_unfused`] (the unfused row emulated on the CPU in bf16), dQ within 16 units of
+    /// bf16 roundoff of the f64 reference (the backward tests' sanity bound: an index error
+    /// costs O(1)), every gradient value finite.
+    #[allow(clippy::too_many_arguments)]
+    fn check_rows(
+        label: &str,
+        [q, k, v, g]: [&[f32]; 4],
+        [out, dq]: [&[f64]; 2],
+        [dk, dv]: [&[f64]; 2],
+        rows: &[usize],
+        head_dim: usize,
+        causal: bool,
+        failures: &mut Vec<String>,
+    ) {
+        let d = head_dim;
+        let seq = k.len() / d;
+        let scale = 1.0 / (d as f64).sqrt();
+        let (k64, v64) = (widen(k), widen(v));
+        let spec = Spec::from(causal);
+        for &i in rows {
+            let seen = spec.visible(i, seq, seq);
+            let q_row = &q[i * d..(i + 1) * d];
+            let (reference, _) = reference_row_keys(
+                &widen(q_row),
+                &k64,
+                &v64,
+                d,
+                &seen,
+                scale,
+                &spec,
+                None,
+                None,
+            );
+            let unfused =
+                unfused_row_keys(q_row, k, v, d, &seen, scale, &spec, None, None, DType::BF16);
+            let at = i * d..(i + 1) * d;
+            failures.extend(twice_unfused(
+                &format!("{label} row {i}"),
+                "output",
+                &out[at.clone()],
+                &unfused,
+                &reference,
+                d,
+                DType::BF16,
+                0.0,
+            ));
+            let rq = reference_dq_row(
+                &widen(q_row),
+                &k64,
+                &v64,
+                &widen(&g[at.clone()]),
+                &seen,
+                scale,
+            );
+            let err = error(&dq[at], &rq, d);
+            eprintln!("{label} row {i}: dq {err}");
+            if !(err.finite() && err.relative <= 16.0 * unit_roundoff(DType::BF16)) {
+                failures.push(format!("{label} row {i}: dq {err}"));
+            }
+        }
+        for (name, grad) in [("dq", dq), ("dk", dk), ("dv", dv)] {
+            let bad = grad.iter().filter(|x| !x.is_finite()).count();
+            if bad > 0 {
+                failures.push(format!("{label}: {name} has {bad} non-finite values"));
+            }
+        }
+    }
+
+    /// b = 1, h = 1, n = 256k, d = 128, bf16, forward and backward, causal and not: sampled rows
+    /// against the f64 reference, all gradients finite.
+    #[test]
+    fn long_sequence_256k_cuda() {
+        let Some(device) = cuda_device("long_sequence_256k_cuda") else {
+            return;
+        };
+        burn_flash::testing::poison_outputs(true);
+        let n = 1 << 18;
+        let problem = Problem::square(1, 1, n, 128);
+        let inputs = Inputs::random(problem, DType::BF16, 256);
+        let upstream = random_normal(n * 128, 257, DType::BF16);
+        let mut failures = Vec::new();
+        for causal in [false, true] {
+            let started = std::time::Instant::now();
+            let [q, k, v] = inputs.to_device(&device).map(|t| t.require_grad());
+            let options = FlashAttentionOptions::new().with_causal(causal);
+            let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
+            let g = tensor_from_host(&upstream, problem.out_dims(), DType::BF16, &device);
+            let got = to_host(out.clone());
+            let grads = (out * g).sum().backward();
+            let [dq, dk, dv] =
+                [&q, &k, &v].map(|t| t.grad(&grads).map(to_host).unwrap_or_default());
+            let label = format!("n {n} d 128 causal {causal}");
+            eprintln!("{label}: forward and backward in {:.2?}", started.elapsed());
+            check_rows(
+                &label,
+                [&inputs.q, &inputs.k, &inputs.v, &upstream],
+                [&got, &dq],
+                [&dk, &dv],
+                &[0, 1, n / 2 + 17, n - 2, n - 1],
+                128,
+                causal,
+                &mut failures,
+            );
+        }
+        assert_none(failures);
+    }
+
+    /// A call whose tensors hold more than 2^31 elements (b 4, h 130, n 32768, d 128: 2.18e9
+    /// each, 4.4 GB in bf16), causal, forward and backward: the launches switch to 64-bit
+    /// indexing. Sampled rows of the first and the last (batch, head) against the f64 reference,
+    /// the gradients of both finite.
+    #[test]
+    fn beyond_2_pow_31_elements_cuda() {
+        let Some(device) = cuda_device("beyond_2_pow_31_elements_cuda") else {
+            return;
+        };
+        burn_flash::testing::poison_outputs(true);
+        let (b, h, n, d) = (4, 130, 1 << 15, 128);
+        assert!(b * h * n * d > 1 << 31);
+        let started = std::time::Instant::now();
+        device.seed(2031);
+        let random = || {
+            Tensor::<4>::random(
+                [b, h, n, d],
+                Distribution::Normal(0.0, 1.0),
+                (&device, DType::BF16),
+            )
+        };
+        let (q, k, v, g) = (random(), random(), random(), random());
+        let [q, k, v] = [q, k, v].map(|t| t.require_grad());
+        let out = flash_attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            FlashAttentionOptions::causal(),
+        );
+        let out_detached = out.clone().detach();
+        let grads = (out * g.clone()).sum().backward();
+        let [dq, dk, dv] = [&q, &k, &v].map(|t| t.grad(&grads).unwrap());
+        let mut failures = Vec::new();
+        for (bi, hi) in [(0, 0), (b - 1, h - 1)] {
+            let slab = |t: &Tensor<4>| t.clone().slice([bi..bi + 1, hi..hi + 1]);
+            let host32 = |t: &Tensor<4>| {
+                to_host(slab(t))
+                    .into_iter()
+                    .map(|x| x as f32)
+                    .collect::<Vec<f32>>()
+            };
+            let (hq, hk, hv, hg) = (host32(&q), host32(&k), host32(&v), host32(&g));
+            check_rows(
+                &format!("b {b} h {h} n {n}: (batch, head) ({bi}, {hi})"),
+                [&hq, &hk, &hv, &hg],
+                [&to_host(slab(&out_detached)), &to_host(slab(&dq))],
+                [&to_host(slab(&dk)), &to_host(slab(&dv))],
+                &[0, 4097, n - 1],
+                d,
+                true,
+                &mut failures,
+            );
+        }
+        eprintln!(
+            "b {b} h {h} n {n} d {d}: forward, backward and checks in {:.2?}",
+            started.elapsed()
+        );
+        assert_none(failures);
+    }
+
+    /// A mask and a bias of more than 2^31 elements each (`[1, 3, 32768, 32768]`: 3.2e9, the
+    /// bias 6.4 GB in bf16) beside small `q`, `k`, `v` (`[1, 3, 32768, 64]`): the launches must
+    /// take 64-bit indexing from the mask, the bias and the bias gradient alone. Sampled rows of
+    /// the last head (wholly past 2^31) and the first: the output by the unfused rule, the bias
+    /// gradient within 16 units of bf16 roundoff of the f64 reference.
+    #[test]
+    fn mask_and_bias_beyond_2_pow_31_elements_cuda() {
+        let Some(device) = cuda_device("mask_and_bias_beyond_2_pow_31_elements_cuda") else {
+            return;
+        };
+        burn_flash::testing::poison_outputs(true);
+        let (h, n, d) = (3, 1 << 15, 64);
+        assert!(h * n * n > 1 << 31 && h * n * d < 1 << 31);
+        let started = std::time::Instant::now();
+        device.seed(2032);
+        let random = |dims: [usize; 4]| {
+            Tensor::<4>::random(dims, Distribution::Normal(0.0, 1.0), (&device, DType::BF16))
+        };
+        let (q, k, v, g) = (
+            random([1, h, n, d]),
+            random([1, h, n, d]),
+            random([1, h, n, d]),
+            random([1, h, n, d]),
+        );
+        let bias = random([1, h, n, n]).require_grad();
+        // About 10 % of the pairs hidden.
+        let mask = Tensor::<4>::random(
+            [1, h, n, n],
+            Distribution::Uniform(0.0, 1.0),
+            (&device, DType::BF16),
+        )
+        .lower_elem(0.1);
+        let out = flash_attention_masked(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            Some(AttentionMask::Full(mask.clone())),
+            Some(bias.clone()),
+            FlashAttentionOptions::default(),
+        );
+        let grads = (out.clone() * g.clone()).sum().backward();
+        let dbias = bias.grad(&grads).unwrap();
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut failures = Vec::new();
+        for hi in [h - 1, 0] {
+            let head = |t: &Tensor<4>| {
+                let values = to_host(t.clone().slice([0..1, hi..hi + 1]));
+                values.into_iter().map(|x| x as f32).collect::<Vec<f32>>()
+            };
+            let (hq, hk, hv, hg) = (head(&q), head(&k), head(&v), head(&g));
+            let (k64, v64) = (widen(&hk), widen(&hv));
+            for i in [n - 1, n / 2 + 17, 0] {
+                let row = |t: Tensor<4>| t.slice([0..1, hi..hi + 1, i..i + 1]);
+                let hidden: Vec<bool> = (mask.clone().slice([0..1, hi..hi + 1, i..i + 1]))
+                    .into_data()
+                    .iter::<bool>()
+                    .collect();
+                let bias_row = to_host(row(bias.clone().detach()));
+                let seen: Vec<usize> = (0..n).filter(|&j| !hidden[j]).collect();
+                let (q_row, g_row) = (&hq[i * d..(i + 1) * d], widen(&hg[i * d..(i + 1) * d]));
+                let spec = Spec::default();
+                let (reference, _) = reference_row_keys(
+                    &widen(q_row),
+                    &k64,
+                    &v64,
+                    d,
+                    &seen,
+                    scale,
+                    &spec,
+                    Some(&bias_row),
+                    None,
+                );
+                let unfused = unfused_row_keys(
+                    q_row,
+                    &hk,
+                    &hv,
+                    d,
+                    &seen,
+                    scale,
+                    &spec,
+                    Some(&bias_row),
+                    None,
+                    DType::BF16,
+                );
+                let label = format!("h {h} n {n}: head {hi} row {i}");
+                failures.extend(twice_unfused(
+                    &label,
+                    "output",
+                    &to_host(row(out.clone().detach())),
+                    &unfused,
+                    &reference,
+                    d,
+                    DType::BF16,
+                    0.0,
+                ));
+                // dBias = dS on the seen keys, 0 on the hidden ones.
+                let ds = reference_ds_row(
+                    &widen(q_row),
+                    &k64,
+                    &v64,
+                    &g_row,
+                    &seen,
+                    scale,
+                    Some(&bias_row),
+                );
+                let mut expected = vec![0.0; n];
+                for (&j, ds) in seen.iter().zip(ds) {
+                    expected[j] = ds;
+                }
+                let err = error(&to_host(row(dbias.clone())), &expected, n);
+                eprintln!("{label}: dbias {err}");
+                if !(err.finite() && err.relative <= 16.0 * unit_roundoff(DType::BF16)) {
+                    failures.push(format!("{label}: dbias {err}"));
+                }
+            }
+        }
+        eprintln!(
+            "h {h} n {n} d {d}: mask and bias of {} elements, forward, backward and checks in {:.2?}",
+            h * n * n,
+            started.elapsed()
+        );
+        assert_none(failures);
+    }
+
+    /// Ragged shapes through every kernel (forward, both backward dQ modes; grouped heads, a
+    /// two-sided window, the softcap), checked against the f64 reference within the backward
+    /// tests' sanity bound: the shapes `compute-sanitizer` runs over (`scripts/gpu-run.sh
+    /// sanitize`), so a clean report covers every launch.
+    #[test]
+    fn sanitizer_shapes_cuda() {
+        let Some(device) = cuda_device("sanitizer_shapes_cuda") else {
+            return;
+        };
+        burn_flash::testing::poison_outputs(true);
+        // `deterministic: false` below must run the atomic dQ, not the faster launch for these
+        // short sequences.
+        let _atomic = burn_flash::testing::force_atomic_dq();
+        let cases = [
+            (Problem::cross(1, 2, 77, 131, 64), Spec::from(true)),
+            (
+                Problem::square(1, 1, 93, 128),
+                Spec {
+                    left: Some(40),
+                    right: Some(7),
+                    ..Spec::default()
+                },
+            ),
+            (
+                Problem::cross(2, 4, 45, 70, 64).grouped(2),
+                Spec {
+                    causal: true,
+                    softcap: Some(5.0),
+                    ..Spec::default()
+                },
+            ),
+        ];
+        let bound = 16.0 * unit_roundoff(DType::BF16);
+        let mut failures = Vec::new();
+        for (index, (problem, spec)) in cases.into_iter().enumerate() {
+            let inputs = Inputs::random(problem, DType::BF16, 300 + index as u64);
+            let upstream = random_normal(problem.out_dims().iter().product(), 400, DType::BF16);
+            let (q64, k64, v64) = (widen(&inputs.q), widen(&inputs.k), widen(&inputs.v));
+            let (reference, _) = reference_attention(&problem, &q64, &k64, &v64, spec, None);
+            let (rq, rk, rv) =
+                reference_grads(&problem, &q64, &k64, &v64, &widen(&upstream), spec, None);
+            for deterministic in [true, false] {
+                let [q, k, v] = inputs.to_device(&device).map(|t| t.require_grad());
+                let options = spec.options(None).with_deterministic(deterministic);
+                let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
+                let g = tensor_from_host(&upstream, problem.out_dims(), DType::BF16, &device);
+                let got = to_host(out.clone());
+                let grads = (out * g).sum().backward();
+                let grad = |t: &Tensor<4>| t.grad(&grads).map(to_host).unwrap_or_default();
+                let label = format!("{problem} {spec} deterministic {deterministic}");
+                for (name, got, reference, row) in [
+                    ("output", got, &reference, problem.value_dim),
+                    ("dq", grad(&q), &rq, problem.head_dim),
+                    ("dk", grad(&k), &rk, problem.head_dim),
+                    ("dv", grad(&v), &rv, problem.value_dim),
+                ] {
+                    if got.len() != reference.len() {
+                        failures.push(format!("{label}: {name} missing"));
+                        continue;
+                    }
+                    let err = error(&got, reference, row);
+                    eprintln!("{label}: {name} {err}");
+                    if !(err.finite() && err.relative <= bound) {
+                        failures.push(format!("{label}: {name} {err}"));
+                    }
+                }
+            }
+        }
+        assert_none(failures);
     }
 }

@@ -7,6 +7,9 @@
 //! sees the keys `j <= i + (seq_k - seq_q)` (aligned bottom-right, as Burn's
 //! `attention_fallback`); a row that sees no key has output 0 and log-sum-exp `-inf`.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
