@@ -10,7 +10,7 @@ use super::query::query_grads;
 use crate::kernel::config::{TailPart, TilePath};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::{cube_count, cube_dim};
-use crate::kernel::sources::{Placeholder, PlannedKernel, Problem, Target};
+use crate::kernel::sources::base::{Placeholder, PlannedKernel, Problem, Target};
 use crate::kernel::tensors::{F32, ScoreInputs, stage_map_of};
 use crate::kernel::tile::{MmaTile, PortableTile};
 

@@ -8,7 +8,7 @@ use super::plan::{ForwardPlan, ForwardProblem};
 use crate::kernel::config::TilePath;
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::{cube_count, cube_dim};
-use crate::kernel::sources::{Placeholder, PlannedKernel, Problem, Target};
+use crate::kernel::sources::base::{Placeholder, PlannedKernel, Problem, Target};
 use crate::kernel::tensors::{F32, ScoreInputs, stage_map_of};
 use crate::kernel::tile::{MmaTile, PortableTile};
 

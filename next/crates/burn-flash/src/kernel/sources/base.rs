@@ -1,13 +1,5 @@
-//! The fused kernels as their launches would enqueue them, created without a client: for tools
-//! that compile them without the device, as `examples/kernel_sources.rs` writes the CUDA C++ of
-//! an H100's. Not part of the stable API.
-//!
-//! The launches' own plans decide (`ForwardPlan`, `BackwardPlan`), from the `DeviceCaps` of
-//! the device's properties, for a [`Problem`] over contiguous tensors; each kernel is created by its `create_dummy_kernel`
-//! with its arguments registered as its launch registers them, and compiles as the launch does,
-//! unchecked. Nothing is allocated or run. Only the fused kernels are returned: the forward, the
-//! dK/dV launch (each part of a split last wave) and dQ's own launch, not the small launches
-//! around them (row dot, the tail's sum, the atomic dQ's conversion).
+//! What the fused kernels' creation without a client shares: the device they are created for,
+//! the problem, the kernel with its launch's grid, and placeholder tensors.
 
 use std::fmt::Display;
 use std::sync::Arc;
@@ -20,12 +12,9 @@ use cubecl::zspace::striding::row_major_contiguous_strides;
 use cubecl_common::device::{DeviceId, ServiceId};
 use cubecl_environment::stream::StreamId;
 
-use super::config::{ScoreParams, TailPart, TileConfig};
-use super::tensors::layout_tma_aligned;
+use crate::kernel::config::{ScoreParams, TailPart, TileConfig};
+use crate::kernel::tensors::layout_tma_aligned;
 use crate::options::FlashAttentionOptions;
-
-pub use super::backward::sources::backward;
-pub use super::forward::sources::forward;
 
 /// The device the kernels are created for, as its runtime describes it (what a client of it
 /// would hold).
