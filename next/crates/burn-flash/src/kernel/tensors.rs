@@ -64,9 +64,17 @@ impl KernelTensor {
         }
     }
 
-    /// A new contiguous tensor of this shape, its elements not initialised.
+    /// A new contiguous tensor of this shape (row-major, rows unpadded), its elements not
+    /// initialised. Not `TensorHandle::empty`: CubeCL 0.12 pads the rows of that one to a power
+    /// of two bytes, up to the device's allocation alignment (512 bytes on CUDA), and the
+    /// kernels index their scratch (the atomic dQ's accumulator, the tail's partial sums, the
+    /// packed masks) as unpadded rows: at head dim 96 the padded accumulator took dQ's atomics
+    /// at the wrong rows.
     pub fn empty(client: &Client, shape: impl Into<Shape>, dtype: ElemType) -> Self {
-        let handle = TensorHandle::empty(client, shape, dtype);
+        let shape: Shape = shape.into();
+        // One byte at least: a buffer of none is not allocated everywhere.
+        let bytes = (shape.iter().product::<usize>() * dtype.size()).max(1);
+        let handle = TensorHandle::new_contiguous(shape, client.empty(bytes), dtype);
         Self::from_handle(client.clone(), handle)
     }
 
