@@ -6,6 +6,7 @@ use std::sync::OnceLock;
 use burn::backend::DispatchDevice;
 use burn::backend::cubecl::dtype_to_elem_type;
 use burn::tensor::{DType, Device, DeviceType, Tensor};
+use cubecl::features::{MmaConfig, Tma};
 
 /// The first CUDA device, once per process, or why there is none.
 ///
@@ -71,14 +72,15 @@ pub fn has_tensor_cores(device: &Device, dtype: DType) -> bool {
         DispatchDevice::Cube(cube) => {
             let client = cube.client();
             let features = &client.properties().features;
-            // `MmaConfig { a_type: dtype, b_type: dtype, cd_type: f32, m: 16, n: 8, k: 16 }`,
-            // matched field by field: the suite does not depend on CubeCL to name it.
-            let mma = features.matmul.mma.iter().any(|config| {
-                config.a_type == elem
-                    && config.b_type == elem
-                    && config.cd_type == f32_elem
-                    && (config.m, config.n, config.k) == (16, 8, 16)
-            });
+            let mma = MmaConfig {
+                a_type: elem,
+                b_type: elem,
+                cd_type: f32_elem,
+                m: 16,
+                n: 8,
+                k: 16,
+            };
+            let mma = features.matmul.mma.contains(&mma);
             mma && features.copy_async
         }
         #[allow(unreachable_patterns)]
@@ -92,9 +94,7 @@ pub fn has_tma(device: &Device) -> bool {
     match device.clone().without_autodiff().as_dispatch() {
         DispatchDevice::Cube(cube) => {
             let client = cube.client();
-            let tma = client.properties().features.tma;
-            // `tma.contains(Tma::Base)`, without naming CubeCL's `Tma`.
-            tma.iter().any(|feature| format!("{feature:?}") == "Base")
+            client.properties().features.tma.contains(Tma::Base)
         }
         #[allow(unreachable_patterns)]
         other => panic!("not a CubeCL device: {other:?}"),
