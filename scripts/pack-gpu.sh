@@ -5,8 +5,9 @@
 #
 #   scripts/pack-gpu.sh       # tests, benchmarks and the GPT example
 #   scripts/pack-gpu.sh gpt   # only the GPT example, beside what .gpu/ holds
-#   scripts/pack-gpu.sh next  # next/'s (Burn 0.23) CUDA suite and bench into .gpu/next/, beside
-#                             # what .gpu/ holds (run them with BIN=.gpu/next scripts/gpu-run.sh)
+#   scripts/pack-gpu.sh next  # next/'s (Burn 0.23) CUDA suite, bench and GPT example into
+#                             # .gpu/next/, beside what .gpu/ holds (run them with
+#                             # BIN=.gpu/next scripts/gpu-run.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pack_gpt() {
@@ -35,8 +36,12 @@ pack_next() {
   rm -rf .gpu/next && mkdir -p .gpu/next
   (cd next && cargo test --release --features cuda --test suite --no-run --message-format json) \
     | executables test | while read -r name exe; do cp "$exe" ".gpu/next/test-$name"; done
-  (cd next && cargo bench --features cuda --bench attention --no-run --message-format json) \
+  # `cargo build --release` rather than `cargo bench`: the bench profile would build every
+  # dependency a second time.
+  (cd next && cargo build --release --features cuda --bench attention --message-format json) \
     | executables bench | while read -r name exe; do cp "$exe" ".gpu/next/bench-$name"; done
+  (cd next && cargo build --release --features cuda -p gpt --message-format json) \
+    | executables bin | while read -r name exe; do cp "$exe" ".gpu/next/$name"; done
   cp ../shared/tools/torch_sdpa_bench.py .gpu/
   strip .gpu/next/*
   xz -T2 -6 .gpu/next/*
