@@ -416,6 +416,12 @@ mod tests {
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let whole = flatten(&sgd.step(0.5, model.clone(), grads));
 
+        // One shard's step first, on this thread: it autotunes the shard's shapes, which the
+        // two threads below would otherwise tune at once on the one device, where Burn
+        // 0.23.0-pre.1's autotune has hung (on lavapipe, in `Tuner::tune_fixed_samples`).
+        let (inputs, targets) = batch_tensors(&batch.shards(2)[0], &device);
+        let _tuned = model.clone().loss(inputs, targets).backward();
+
         let mut sgd = SgdConfig::new().init();
         let devices = [device.clone(), device];
         let (grads, parallel_loss) = data_parallel_grads(&model, DType::F32, &batch, &devices);
