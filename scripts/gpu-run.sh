@@ -32,7 +32,13 @@ if [ -e .gpu/fortunes.tar ]; then mkdir -p /tmp/corpus && tar -xf .gpu/fortunes.
 # its first five minutes compiling and autotuning Burn's kernels on the CPU. CACHE=1 turns the
 # PTX cache on and returns both as $OUT/cubecl-cache.tar.xz (kept as .gpu/cubecl-cache.tar.xz).
 if [ "${CACHE:-0}" = 1 ]; then
-  printf '[compilation]\ncache = "target"\n\n[autotune]\ncache = "target"\n' >cubecl.toml
+  # CubeCL 0.10 (.gpu) names a cache directory per kind; 0.12 (.gpu/next) keeps both kinds in
+  # one database under target/environment/, its autotune results there by default.
+  if [ "$BIN" = .gpu ]; then
+    printf '[compilation]\ncache = "target"\n\n[autotune]\ncache = "target"\n' >cubecl.toml
+  else
+    printf '[compilation]\ncache = true\n' >cubecl.toml
+  fi
   if [ -e .gpu/cubecl-cache.tar ]; then mkdir -p target && tar -xf .gpu/cubecl-cache.tar -C target; fi
   trap 'tar -cf - -C target . | xz -T0 -6 >"$OUT/cubecl-cache.tar.xz"' EXIT
 fi
