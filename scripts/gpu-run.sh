@@ -194,11 +194,11 @@ EOF
     python3 .gpu/torch_sdpa_bench.py --d "$BENCH_D" --n "$BENCH_N" --causal both \
       --backends flash,cudnn --modes fwd,fwdbwd 2>"$OUT/torch.err" | tee "$OUT/torch.csv"
     for bin in .gpu .gpu/next; do
-      tag=burn021 && impls=burn-flash
-      # Burn 0.23's built-in attention is the peer the port must beat at every shape.
-      [ "$bin" = .gpu/next ] && tag=burn023 && impls=burn-flash,burn-builtin
+      # Burn 0.23's built-in attention is left to a call of its own: its first call per shape
+      # autotunes for minutes, which ran this stage out of time (docs/perf-notes.md, 2026-11-28).
+      tag=burn021 && [ "$bin" = .gpu/next ] && tag=burn023
       {
-        $bin/bench-attention --impls $impls --d "$BENCH_D" --n "$BENCH_N" --causal both \
+        $bin/bench-attention --impls burn-flash --d "$BENCH_D" --n "$BENCH_N" --causal both \
           --modes fwd,fwdbwd --timing "$TIMING" ${BENCH_ARGS:-}
         $bin/bench-attention --impls burn-flash --d "$BENCH_D" --n "$BENCH_N" --causal both \
           --modes fwdbwd --atomic-dq --timing "$TIMING" ${BENCH_ARGS:-}
