@@ -1,8 +1,8 @@
 //! Attention timings: `burn-flash` (this crate's fused op) against Burn's own
 //! `attention_fallback` (`burn-unfused`) and `attention` (`burn-builtin`), forward (`fwd`) and
-//! forward + backward through `Autodiff` (`fwdbwd`: one call, then `backward()` of its output),
-//! as CSV on stdout with the columns of `../shared/tools/torch_sdpa_bench.py`, so both tables can
-//! be joined:
+//! forward + backward on the autodiff device (`fwdbwd`: one call, then `backward()` of its
+//! output), as CSV on stdout with the columns of `../../shared/tools/torch_sdpa_bench.py`, so
+//! both tables can be joined:
 //!
 //! ```text
 //! impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops
@@ -10,15 +10,38 @@
 //!
 //! On CUDA (built with `--features cuda` and a device present) it runs bf16 on the
 //! FlashAttention-2 shapes: 16k tokens (`b = 16384 / n`), hidden 2048 (`h = 2048 / d`),
-//! `n` 512..16384, `d` 64 and 128, causal and not. Elsewhere it runs f32 on `burn::backend::Wgpu`
-//! with small shapes (it may be lavapipe, a CPU).
+//! `n` 512..16384, `d` 64 and 128, causal and not. Elsewhere it runs f32 on
+//! `Device::wgpu` with small shapes (it may be lavapipe, a CPU).
+//!
+//! ```text
+//! cargo bench --features cuda --bench attention -- --d 64,128 --n 1024,4096 --causal both
+//! cargo bench --features cuda --bench attention -- --modes fwd,fwdbwd --hkv 4 --mask keypad
+//! cargo bench --bench attention -- --help
+//! ```
+//!
+//! Every flag is listed by `--help`; lists are comma-separated (`--n 1024,4096`). The peers are
+//! Burn 0.23's functions on the same `Device` (its fusion stream included):
+//!
+//! - `burn-unfused` is `burn::tensor::module::attention_fallback`, the attention composed of
+//!   tensor operations (scores, softmax, product), differentiated op by op under autodiff.
+//! - `burn-builtin` is `burn::tensor::module::attention`, the backend's own: on CubeCL a flash
+//!   kernel where its options allow, else `attention_fallback`. Under autodiff, without a mask or
+//!   bias, it records one node whose backward is the backend's fused `attention_backward`; with
+//!   a mask or a bias autodiff differentiates `attention_fallback` instead.
+//!
+//! Both take grouped-query inputs from their shapes (query head `i` reads key/value head
+//! `i / (h / hkv)`), so with `--hkv` they get `k` and `v` with their `hkv` heads as burn-flash
+//! does, not expanded copies. Masks and biases are expanded (a view) to the `[b, h, n, n]` their
+//! contract names. The causal mask is aligned bottom-right (`CausalAlignment::BottomRight`,
+//! Burn's default and burn-flash's); with `seq_q == seq_k`, as here, both alignments agree.
 //!
 //! Method: a first call (compilation, autotune) and `--warmup` more calls are not timed; then
 //! `--iters` samples, each a batch of calls issued back to back between two device
-//! synchronisations (as many as fill about 20 ms, at most 50), rotating between `--sets`
-//! independent input sets so no call finds its inputs in cache; the median of the samples'
-//! per-call times is reported. The host prepares the next call while the device runs this one,
-//! so a synchronisation per call is not charged to the kernels.
+//! synchronisations (`Device::sync`; as many calls as fill about 20 ms, at most 50), rotating
+//! between `--sets` independent input sets so no call finds its inputs in cache; the median of
+//! the samples' per-call times is reported. The host prepares the next call while the device
+//! runs this one, so a synchronisation per call is not charged to the kernels; stderr gives the
+//! host's time to issue one call per row (the device is starved when it nears the call's time).
 //!
 //! `--timing` says what runs between two calls. `b2b` (the default) issues the calls back to
 //! back, so that a kernel that runs at the card's power cap stays there for the whole batch.
@@ -29,274 +52,250 @@
 //! the difference per call; stderr gives the time of one clear, which should be that of 256 MiB
 //! at the device's bandwidth (a clear merged into another would show as a shorter one). The
 //! summary's peak memory then includes the clear's buffer and its reversal (256 MiB).
-//! TFLOPS counts `4·b·h·n²·d`, halved when causal, times 3.5 for `fwdbwd`. A call slower than `--budget-ms` skips the
-//! row with a `#` comment line, and so do the longer lengths of that implementation (also when
-//! the last length's time, scaled by the FLOPs, predicts a call over the budget: a first call,
-//! with its autotune, cannot be interrupted); a call that fails prints its row with `nan`
-//! times and the error as a comment.
 //!
-//! ```text
-//! cargo bench --features cuda --bench attention -- --d 64,128 --n 1024,4096 --causal both
-//! ```
+//! TFLOPS counts `4·b·h·n²·d`, halved when causal, times 3.5 for `fwdbwd`. A call slower than
+//! `--budget-ms` skips the row with a `#` comment line, and so do the longer lengths of that
+//! implementation (also when the last length's time, scaled by the FLOPs, predicts a call over
+//! the budget: a first call, with its autotune, cannot be interrupted); a call that fails prints
+//! its row with `nan` times and the error as a comment.
 //!
 //! After the CSV comes a summary as `#` lines (CSV readers skip them): per shape, burn-flash's
-//! time and the device memory the pools held after its row (the row's high-water mark at page
-//! granularity, inputs included; pages of earlier rows are released before each row), and its
-//! speed-up over each peer that ran the shape, with the geometric mean per mode and peer. Rows
-//! of another program on the same device, e.g. `torch_sdpa_bench.py`'s CSV, join the summary
-//! with `--peers FILE`.
+//! time and the device memory the pools held after its row (`Device::memory_pool_usage`'s
+//! `bytes_reserved`: the row's high-water mark at page granularity, inputs included; pages of
+//! earlier rows are released by `Device::memory_cleanup` before each row), and its speed-up over
+//! each peer that ran the shape, with the geometric mean per mode and peer. Rows of another
+//! program on the same device, e.g. `torch_sdpa_bench.py`'s CSV, join the summary with
+//! `--peers FILE`.
 //!
-//! `--memory` (CUDA) instead runs one training step (forward + backward of `--impls`' first
-//! implementation) per length and prints the device memory CubeCL's pools hold afterwards
-//! (`bytes_reserved`, the high-water mark of the step: pools keep their pages) and what is
-//! still allocated (`bytes_in_use`). Run one length per process for clean figures.
+//! `--memory` instead runs one training step (forward + backward of `--impls`' first
+//! implementation) per length and prints what `Device::memory_pool_usage` reports afterwards
+//! (on CUDA, and on wgpu too): the device memory the pools hold (`bytes_reserved`, the
+//! high-water mark of the step: pools keep their pages) and what is still allocated
+//! (`bytes_in_use`). Run one length per process for clean figures.
+//!
+//! Burn 0.21's `--backend cuda-bare` (Burn's CUDA backend without the fusion stream, to see
+//! what the stream costs per call) is gone: Burn 0.23's tensors run on the runtime-dispatched
+//! `Device`, whose CUDA device has the fusion stream whenever Burn's `fusion` feature is on, as
+//! it is in this workspace; there is no bare backend to pick at run time.
 
 use std::collections::HashMap;
+use std::fmt::Display;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use burn::backend::wgpu::WgpuDevice;
-use burn::backend::{Autodiff, Wgpu};
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::module::{attention, attention_fallback};
-use burn::tensor::{Bool, DType, Distribution, Int, Tensor};
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Bool, DType, Device, Distribution, Int, Tensor};
 use burn_flash::{
-    AttentionMask, FlashAttentionBackend, FlashAttentionOptions, flash_attention_masked,
-    flash_attention_plan,
+    AttentionMask, FlashAttentionOptions, flash_attention_masked, flash_attention_plan,
 };
+use clap::builder::RangedU64ValueParser;
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, ValueEnum};
 
-const USAGE: &str = "\
-usage: attention [--d 64,128] [--n 512,1024,...] [--b B] [--h H] [--hkv HKV]
-                 [--causal both|true|false] [--window LEFT] [--softcap CAP]
-                 [--mask keypad|full|docs] [--bias heads] [--dropout P] [--alibi] [--atomic-dq]
-                 [--impls burn-flash,burn-unfused,burn-builtin] [--dtype bf16|f16|f32]
-                 [--backend auto|cuda|cuda-bare|wgpu] [--iters N] [--warmup N] [--sets N]
-                 [--budget-ms MS] [--row-seconds S] [--modes fwd,fwdbwd] [--memory]
-                 [--peers CSV] [--timing clear|b2b]
---b / --h: 0 (default) means 16384 / n and 2048 / d on CUDA (the FlashAttention-2 shapes),
-           1024 / n and 256 / d on wgpu.
---hkv:     key/value heads (grouped-query attention); 0 (default) means h. Burn's peers get
-           k and v expanded to h heads, as a Burn model without a GQA kernel would.
---window:  a sliding window of LEFT keys before each query's diagonal (burn-flash only; its
-           rows are named burn-flash-swaLEFT, their TFLOPS count the visible pairs exactly).
---softcap: scores pass through CAP·tanh(s / CAP) (burn-flash only; rows burn-flash-capCAP).
---mask:    a boolean mask: keypad, the last eighth of every sequence's keys padded ([b, n]);
-           full, a random mask per sequence ([b, 1, n, n], 10 % hidden); docs, documents of
-           1024 tokens packed into each sequence, each query seeing its own document's keys
-           ([b, 1, n, n]). Rows IMPL-keypad, IMPL-mask or IMPL-docs; Burn's peers get it
-           expanded to [b, h, n, n]. TFLOPS count all n² pairs.
---bias:    heads, an additive bias per head ([1, h, n, n], as a relative-position bias), with
-           its gradient in fwdbwd. Rows IMPL-bias; Burn's peers get it expanded.
---dropout: attention dropout of probability P (burn-flash only; rows burn-flash-dropP).
---alibi:   ALiBi's biases computed in the kernel (burn-flash only; rows burn-flash-alibi).
---atomic-dq: `with_deterministic(false)`: the backward adds dQ by atomics where that is the
-           faster way (head dim 128 from 1024 keys, 2048 causal), else as by default
-           (burn-flash only; rows burn-flash-atomicdq).
---peers:   a CSV of the same columns from another program on this device (torch_sdpa_bench.py),
-           whose rows join the summary printed after the CSV.
---timing:  b2b (default): calls back to back. clear: a 256 MiB pass over a buffer before
-           every call, as PyTorch's do_bench clears the L2 cache, and the calls timed by
-           difference with a batch of clears alone (the clear's time goes to stderr; the
-           summary's peak memory then includes the clear's two 128 MiB buffers).
---backend: cuda-bare times Burn's CubeBackend without the fusion stream (what the stream costs
-           per call); stderr also gives the host's time to issue one call per row.";
-
-const IMPLS: [&str; 3] = ["burn-flash", "burn-unfused", "burn-builtin"];
-
-#[derive(Clone, Debug)]
+/// Attention timings of burn-flash against Burn's attention, as CSV (see the header of
+/// `benches/attention.rs`).
+#[derive(Parser, Debug)]
+#[command(name = "attention", bin_name = "attention")]
 struct Args {
+    /// Head dims [default: 64,128 on CUDA, 64 on wgpu].
+    #[arg(long, value_delimiter = ',')]
     d: Vec<usize>,
+    /// Sequence lengths [default: 512,1024,2048,4096,8192,16384 on CUDA, 128,256,512 on wgpu].
+    #[arg(long, value_delimiter = ',')]
     n: Vec<usize>,
+    /// Batch size; 0 means 16384 / n on CUDA (the FlashAttention-2 shapes), 1024 / n on wgpu.
+    #[arg(long, default_value_t = 0)]
     b: usize,
+    /// Query heads; 0 means 2048 / d on CUDA, 256 / d on wgpu.
+    #[arg(long, default_value_t = 0)]
     h: usize,
+    /// Key/value heads (grouped-query attention); 0 means h. Every implementation gets k and v
+    /// with this many heads.
+    #[arg(long, default_value_t = 0)]
     hkv: usize,
+    /// Which causal settings to run.
+    #[arg(long, value_enum, default_value_t = Causal::Both)]
+    causal: Causal,
+    /// A sliding window of LEFT keys before each query's diagonal (burn-flash only; rows
+    /// burn-flash-swaLEFT, whose TFLOPS count the visible pairs exactly).
+    #[arg(long, value_name = "LEFT")]
     window: Option<usize>,
+    /// Scores pass through CAP·tanh(s / CAP) (burn-flash only; rows burn-flash-capCAP).
+    #[arg(long, value_name = "CAP")]
     softcap: Option<f64>,
+    /// A boolean mask: keypad, the last eighth of every sequence's keys padded ([b, n]); full, a
+    /// random mask per sequence ([b, 1, n, n], 10 % hidden); docs, documents of 1024 tokens
+    /// packed into each sequence, each query seeing its own document's keys ([b, 1, n, n]).
+    /// Rows IMPL-keypad, IMPL-mask or IMPL-docs; Burn's peers get it expanded to [b, h, n, n].
+    /// TFLOPS count all n² pairs.
+    #[arg(long, value_enum)]
+    mask: Option<Mask>,
+    /// heads: an additive bias per head ([1, h, n, n], as a relative-position bias), with its
+    /// gradient in fwdbwd. Rows IMPL-bias; Burn's peers get it expanded.
+    #[arg(long, value_enum)]
+    bias: Option<Bias>,
+    /// Attention dropout of probability P (burn-flash only; rows burn-flash-dropP).
+    #[arg(long, value_name = "P")]
     dropout: Option<f64>,
+    /// ALiBi's biases computed in the kernel (burn-flash only; rows burn-flash-alibi).
+    #[arg(long)]
     alibi: bool,
+    /// `with_deterministic(false)`: the backward adds dQ by atomics where that is the faster
+    /// way (head dim 128 from 1024 keys, 2048 causal), else as by default (burn-flash only; rows
+    /// burn-flash-atomicdq).
+    #[arg(long)]
     atomic_dq: bool,
-    mask: Option<String>,
-    bias: bool,
-    causal: Vec<bool>,
-    impls: Vec<String>,
-    dtype: Option<DType>,
-    backend: String,
+    /// The implementations to time.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "burn-flash,burn-unfused,burn-builtin"
+    )]
+    impls: Vec<Impl>,
+    /// The inputs' dtype [default: bf16 on CUDA, f32 on wgpu].
+    #[arg(long, value_enum)]
+    dtype: Option<Precision>,
+    /// The device: auto takes the first CUDA device where the build has CUDA and the machine a
+    /// device, else wgpu.
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    backend: Backend,
+    /// Timed samples per row [default: 30 on CUDA, 5 on wgpu].
+    #[arg(long, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     iters: Option<usize>,
+    /// Untimed calls after the first [default: 5 on CUDA, 2 on wgpu].
+    #[arg(long)]
     warmup: Option<usize>,
+    /// Independent input sets the calls rotate between.
+    #[arg(long, default_value_t = 3, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     sets: usize,
+    /// A call slower than this skips the row and the longer lengths [default: 2000 on CUDA,
+    /// 20000 on wgpu].
+    #[arg(long, value_name = "MS")]
     budget_ms: Option<f64>,
+    /// Fewer samples (at least 3) where the row would take longer than this.
+    #[arg(long, value_name = "S", default_value_t = 20.0)]
     row_seconds: f64,
-    modes: Vec<String>,
+    /// fwd: the forward; fwdbwd: forward and backward on the autodiff device.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "fwd")]
+    modes: Vec<Mode>,
+    /// Instead of timings, the device memory of one training step of --impls' first
+    /// implementation per shape.
+    #[arg(long)]
     memory: bool,
-    peers: Option<String>,
+    /// A CSV of the same columns from another program on this device (torch_sdpa_bench.py),
+    /// whose rows join the summary printed after the CSV.
+    #[arg(long, value_name = "CSV")]
+    peers: Option<PathBuf>,
+    /// b2b: calls back to back. clear: a 256 MiB pass over a buffer before every call, as
+    /// PyTorch's do_bench clears the L2 cache, and the calls timed by difference with a batch of
+    /// clears alone (the clear's time goes to stderr; the summary's peak memory then includes
+    /// the clear's two 128 MiB buffers).
+    #[arg(long, value_enum, default_value_t = Timing::BackToBack)]
     timing: Timing,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Causal {
+    Both,
+    True,
+    False,
+}
+
+impl Causal {
+    fn settings(self) -> &'static [bool] {
+        match self {
+            Self::Both => &[false, true],
+            Self::True => &[true],
+            Self::False => &[false],
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Mask {
+    Keypad,
+    Full,
+    Docs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Bias {
+    Heads,
+}
+
+/// An implementation of attention, named in the CSV as on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum)]
+enum Impl {
+    #[value(name = "burn-flash")]
+    Flash,
+    #[value(name = "burn-unfused")]
+    Unfused,
+    #[value(name = "burn-builtin")]
+    Builtin,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Precision {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl Precision {
+    fn dtype(self) -> DType {
+        match self {
+            Self::Bf16 => DType::BF16,
+            Self::F16 => DType::F16,
+            Self::F32 => DType::F32,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    Auto,
+    Cuda,
+    Wgpu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    Fwd,
+    Fwdbwd,
+}
+
 /// What runs between two timed calls (`--timing`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Timing {
     /// A pass over a buffer larger than the L2 cache before every call, as `do_bench` does.
     Clear,
     /// Nothing: calls back to back.
+    #[value(name = "b2b")]
     BackToBack,
 }
 
-fn list(value: &str) -> Vec<usize> {
+/// A flag value's name on the command line, which is also its name in the CSV.
+fn name(value: impl ValueEnum) -> String {
     value
-        .split(',')
-        .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.trim()
-                .parse()
-                .unwrap_or_else(|_| fail(&format!("not a number: {s}")))
-        })
-        .collect()
+        .to_possible_value()
+        .expect("no value is skipped")
+        .get_name()
+        .to_owned()
 }
 
-fn fail(message: &str) -> ! {
-    eprintln!("{message}\n{USAGE}");
-    std::process::exit(2);
+fn fail(message: impl Display) -> ! {
+    Args::command()
+        .error(ErrorKind::InvalidValue, message)
+        .exit()
 }
 
-fn parse_args() -> Args {
-    let mut args = Args {
-        d: Vec::new(),
-        n: Vec::new(),
-        b: 0,
-        h: 0,
-        hkv: 0,
-        window: None,
-        softcap: None,
-        dropout: None,
-        alibi: false,
-        atomic_dq: false,
-        mask: None,
-        bias: false,
-        causal: vec![false, true],
-        impls: IMPLS.iter().map(|s| s.to_string()).collect(),
-        dtype: None,
-        backend: "auto".into(),
-        iters: None,
-        warmup: None,
-        sets: 3,
-        budget_ms: None,
-        row_seconds: 20.0,
-        modes: vec!["fwd".into()],
-        memory: false,
-        peers: None,
-        timing: Timing::BackToBack,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        // `cargo bench` passes `--bench`; a bare word is a cargo filter. Neither concerns us.
-        if flag == "--bench" || !flag.starts_with("--") {
-            continue;
-        }
-        if flag == "--help" || flag == "-h" {
-            println!("{USAGE}");
-            std::process::exit(0);
-        }
-        if flag == "--memory" {
-            args.memory = true;
-            continue;
-        }
-        if flag == "--alibi" {
-            args.alibi = true;
-            continue;
-        }
-        if flag == "--atomic-dq" {
-            args.atomic_dq = true;
-            continue;
-        }
-        let value = it
-            .next()
-            .unwrap_or_else(|| fail(&format!("{flag} needs a value")));
-        let number = |v: &str| -> f64 {
-            v.parse()
-                .unwrap_or_else(|_| fail(&format!("{flag}: not a number: {v}")))
-        };
-        match flag.as_str() {
-            "--d" => args.d = list(&value),
-            "--n" => args.n = list(&value),
-            "--b" => args.b = number(&value) as usize,
-            "--h" => args.h = number(&value) as usize,
-            "--hkv" => args.hkv = number(&value) as usize,
-            "--window" => args.window = Some(number(&value) as usize),
-            "--softcap" => args.softcap = Some(number(&value)),
-            "--dropout" => args.dropout = Some(number(&value)),
-            "--mask" => {
-                if !matches!(value.as_str(), "keypad" | "full" | "docs") {
-                    fail("--mask takes keypad, full or docs");
-                }
-                args.mask = Some(value);
-            }
-            "--bias" => {
-                if value != "heads" {
-                    fail("--bias takes heads");
-                }
-                args.bias = true;
-            }
-            "--causal" => {
-                args.causal = match value.as_str() {
-                    "both" => vec![false, true],
-                    "true" => vec![true],
-                    "false" => vec![false],
-                    _ => fail("--causal takes both, true or false"),
-                }
-            }
-            "--impls" => {
-                args.impls = value.split(',').map(str::to_string).collect();
-                if let Some(bad) = args.impls.iter().find(|i| !IMPLS.contains(&i.as_str())) {
-                    fail(&format!("unknown impl {bad}; known: {}", IMPLS.join(",")));
-                }
-            }
-            "--dtype" => {
-                args.dtype = Some(match value.as_str() {
-                    "bf16" => DType::BF16,
-                    "f16" => DType::F16,
-                    "f32" => DType::F32,
-                    _ => fail("--dtype takes bf16, f16 or f32"),
-                })
-            }
-            "--backend" => {
-                if !matches!(value.as_str(), "auto" | "cuda" | "cuda-bare" | "wgpu") {
-                    fail("--backend takes auto, cuda, cuda-bare or wgpu");
-                }
-                args.backend = value;
-            }
-            "--iters" => args.iters = Some((number(&value) as usize).max(1)),
-            "--warmup" => args.warmup = Some(number(&value) as usize),
-            "--sets" => args.sets = (number(&value) as usize).max(1),
-            "--budget-ms" => args.budget_ms = Some(number(&value)),
-            "--row-seconds" => args.row_seconds = number(&value),
-            "--peers" => args.peers = Some(value),
-            "--timing" => {
-                args.timing = match value.as_str() {
-                    "clear" => Timing::Clear,
-                    "b2b" => Timing::BackToBack,
-                    _ => fail("--timing takes clear or b2b"),
-                }
-            }
-            "--modes" => {
-                args.modes = value.split(',').map(str::to_string).collect();
-                if args
-                    .modes
-                    .iter()
-                    .any(|m| !matches!(m.as_str(), "fwd" | "fwdbwd"))
-                {
-                    fail("--modes takes fwd, fwdbwd or both");
-                }
-            }
-            _ => fail(&format!("unknown flag {flag}")),
-        }
-    }
-    args
-}
-
-/// What one backend run uses once the defaults of its device are filled in.
+/// What one run uses once the defaults of its device are filled in.
 struct Settings {
-    dtype: DType,
+    dtype: Precision,
     d: Vec<usize>,
     n: Vec<usize>,
     tokens: usize,
@@ -304,15 +303,6 @@ struct Settings {
     iters: usize,
     warmup: usize,
     budget: Duration,
-}
-
-fn dtype_name(dtype: DType) -> &'static str {
-    match dtype {
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        DType::F32 => "f32",
-        _ => "other",
-    }
 }
 
 /// Python's spelling of a bool, as `torch_sdpa_bench.py` prints it.
@@ -355,36 +345,29 @@ fn median_ms(times: &mut [Duration]) -> f64 {
 
 /// One input set: `q`, `k`, `v`, and the mask and bias when the run has them.
 #[derive(Clone)]
-struct Set<B: FlashAttentionBackend> {
-    qkv: [Tensor<B, 4>; 3],
-    mask: Option<AttentionMask<B>>,
-    bias: Option<Tensor<B, 4>>,
+struct Set {
+    qkv: [Tensor<4>; 3],
+    mask: Option<AttentionMask>,
+    bias: Option<Tensor<4>>,
 }
 
-impl<B: FlashAttentionBackend> Set<B> {
-    /// Random inputs of these sizes, with the mask and bias `args` ask for.
-    #[allow(clippy::too_many_arguments)]
-    fn random(
-        args: &Args,
-        device: &B::Device,
-        dtype: DType,
-        [b, h, hkv, n, d]: [usize; 5],
-    ) -> Self {
+impl Set {
+    /// Random inputs of these sizes on `device`, with the mask and bias `args` ask for.
+    fn random(args: &Args, device: &Device, dtype: DType, [b, h, hkv, n, d]: [usize; 5]) -> Self {
         let normal = Distribution::Normal(0.0, 1.0);
         let qkv =
             [h, hkv, hkv].map(|heads| Tensor::random([b, heads, n, d], normal, (device, dtype)));
-        let mask = args.mask.as_deref().map(|kind| match kind {
-            "keypad" => {
-                let keys = Tensor::<B, 1, burn::tensor::Int>::arange(0..n as i64, device);
+        let mask = args.mask.map(|kind| match kind {
+            Mask::Keypad => {
+                let keys = Tensor::<1, Int>::arange(0..n as i64, device);
                 AttentionMask::KeyPadding(
                     keys.greater_equal_elem((n - n / 8) as i64)
                         .unsqueeze::<2>()
                         .repeat_dim(0, b),
                 )
             }
-            "docs" => {
-                let document =
-                    Tensor::<B, 1, burn::tensor::Int>::arange(0..n as i64, device).div_scalar(1024);
+            Mask::Docs => {
+                let document = Tensor::<1, Int>::arange(0..n as i64, device).div_scalar(1024);
                 let rows = document.clone().reshape([n, 1]).expand([n, n]);
                 let cols = document.reshape([1, n]).expand([n, n]);
                 AttentionMask::Full(
@@ -393,52 +376,45 @@ impl<B: FlashAttentionBackend> Set<B> {
                         .expand([b, 1, n, n]),
                 )
             }
-            _ => AttentionMask::Full(
-                Tensor::<B, 4>::random([b, 1, n, n], Distribution::Uniform(0.0, 1.0), device)
+            Mask::Full => AttentionMask::Full(
+                Tensor::<4>::random([b, 1, n, n], Distribution::Uniform(0.0, 1.0), device)
                     .lower_elem(0.1),
             ),
         });
         let bias = args
             .bias
-            .then(|| Tensor::random([1, h, n, n], normal, (device, dtype)));
+            .map(|Bias::Heads| Tensor::random([1, h, n, n], normal, (device, dtype)));
         Self { qkv, mask, bias }
     }
 }
 
+/// The signature of Burn's `attention` and `attention_fallback`.
+type BurnAttention = fn(
+    Tensor<4>,
+    Tensor<4>,
+    Tensor<4>,
+    Option<Tensor<4, Bool>>,
+    Option<Tensor<4>>,
+    AttentionModuleOptions,
+) -> Tensor<4>;
+
 /// One forward call of implementation `name`.
-fn forward<B: FlashAttentionBackend>(
-    name: &str,
-    set: Set<B>,
-    options: FlashAttentionOptions,
-) -> Tensor<B, 4> {
+fn forward(name: Impl, set: Set, options: FlashAttentionOptions) -> Tensor<4> {
     let [q, k, v] = set.qkv;
-    if name == "burn-flash" {
-        return flash_attention_masked(q, k, v, set.mask, set.bias, options);
-    }
-    // Burn's attention wants as many key/value heads as query heads, and full masks and biases.
-    let ([b, h, _, _], [_, hkv, n, d]) = (q.dims(), k.dims());
-    let expand = |t: Tensor<B, 4>| {
-        t.unsqueeze_dim::<5>(2)
-            .expand([b, hkv, h / hkv, n, d])
-            .reshape([b, h, n, d])
+    let op: BurnAttention = match name {
+        Impl::Flash => return flash_attention_masked(q, k, v, set.mask, set.bias, options),
+        Impl::Unfused => attention_fallback,
+        Impl::Builtin => attention,
     };
-    let (k, v) = if hkv == h {
-        (k, v)
-    } else {
-        (expand(k), expand(v))
-    };
-    let seq_q = q.dims()[2];
+    // Burn's attentions take grouped k and v as they are, and full masks and biases.
+    let ([b, h, seq_q, _], [_, _, n, _]) = (q.dims(), k.dims());
     let scores = [b, h, seq_q, n];
-    let mask: Option<Tensor<B, 4, Bool>> = set.mask.map(|mask| match mask {
+    let mask = set.mask.map(|mask| match mask {
         AttentionMask::KeyPadding(padding) => padding.reshape([b, 1, 1, n]).expand(scores),
         AttentionMask::Full(mask) => mask.expand(scores),
     });
     let bias = set.bias.map(|bias| bias.expand(scores));
-    match name {
-        "burn-unfused" => attention_fallback(q, k, v, mask, bias, options.into()),
-        "burn-builtin" => attention(q, k, v, mask, bias, options.into()),
-        _ => unreachable!("impls are checked when parsing"),
-    }
+    op(q, k, v, mask, bias, options.into())
 }
 
 /// Query-key pairs of an `n × n` self-attention that a causal mask and a window of `left` keys
@@ -452,13 +428,9 @@ fn visible_pairs(n: usize, causal: bool, left: usize) -> f64 {
         .sum()
 }
 
-/// One training step of attention: the forward of `name` on inputs (and bias) that require
-/// gradients, then `backward()` of its output (all-ones upstream gradient).
-fn forward_backward<B: FlashAttentionBackend + AutodiffBackend>(
-    name: &str,
-    set: Set<B>,
-    options: FlashAttentionOptions,
-) {
+/// One training step of attention on the autodiff device: the forward of `name` on inputs (and
+/// bias) that require gradients, then `backward()` of its output (all-ones upstream gradient).
+fn forward_backward(name: Impl, set: Set, options: FlashAttentionOptions) {
     let set = Set {
         qkv: set.qkv.map(Tensor::require_grad),
         mask: set.mask,
@@ -469,16 +441,16 @@ fn forward_backward<B: FlashAttentionBackend + AutodiffBackend>(
 }
 
 /// What one timed call runs: [`forward`] or [`forward_backward`].
-type Call<B> = fn(&str, Set<B>, FlashAttentionOptions);
+type Call = fn(Impl, Set, FlashAttentionOptions);
 
 /// The buffer `--timing clear` passes over before each call: 128 MiB of `i32`, reversed (read
 /// and written: 256 MiB moved, more than the 50 MB L2 cache of an H100 holds). A reversal is a
 /// gather, which Burn's fusion does not merge into the next reversal, so each clear runs as a
 /// kernel of its own.
-struct Clear<B: FlashAttentionBackend>(Tensor<B, 1, Int>);
+struct Clear(Tensor<1, Int>);
 
-impl<B: FlashAttentionBackend> Clear<B> {
-    fn new(device: &B::Device) -> Self {
+impl Clear {
+    fn new(device: &Device) -> Self {
         Self(Tensor::zeros([32 << 20], device))
     }
 
@@ -489,39 +461,42 @@ impl<B: FlashAttentionBackend> Clear<B> {
 
 /// `batch` steps issued back to back, synchronised once at the end: the wall time per step,
 /// and the host's time per step to issue them (the device is starved when the two are close).
-fn timed<B: FlashAttentionBackend>(
-    device: &B::Device,
-    batch: usize,
-    mut step: impl FnMut(usize),
-) -> (Duration, Duration) {
-    B::sync(device).expect("device sync");
+fn timed(device: &Device, batch: usize, mut step: impl FnMut(usize)) -> (Duration, Duration) {
+    device.sync().expect("device sync");
     let start = Instant::now();
     for i in 0..batch {
         step(i);
     }
     let issued = start.elapsed();
-    B::sync(device).expect("device sync");
+    device.sync().expect("device sync");
     (start.elapsed() / batch as u32, issued / batch as u32)
 }
 
-/// [`timed`] over `batch` calls from input set `first` on, each after a clear with `clear`.
-#[allow(clippy::too_many_arguments)]
-fn timed_batch<B: FlashAttentionBackend>(
-    device: &B::Device,
-    call: Call<B>,
-    name: &str,
-    inputs: &[Set<B>],
-    first: usize,
-    batch: usize,
+/// One row's calls: which implementation, how, on which inputs, with which options.
+struct Row<'a> {
+    call: Call,
+    name: Impl,
+    inputs: &'a [Set],
     options: FlashAttentionOptions,
-    mut clear: Option<&mut Clear<B>>,
-) -> (Duration, Duration) {
-    timed::<B>(device, batch, |i| {
-        if let Some(clear) = clear.as_deref_mut() {
-            clear.run();
-        }
-        call(name, inputs[(first + i) % inputs.len()].clone(), options);
-    })
+}
+
+impl Row<'_> {
+    /// [`timed`] over `batch` calls from input set `first` on, each after a clear with `clear`.
+    fn timed_batch(
+        &self,
+        device: &Device,
+        first: usize,
+        batch: usize,
+        mut clear: Option<&mut Clear>,
+    ) -> (Duration, Duration) {
+        timed(device, batch, |i| {
+            if let Some(clear) = clear.as_deref_mut() {
+                clear.run();
+            }
+            let set = self.inputs[(first + i) % self.inputs.len()].clone();
+            (self.call)(self.name, set, self.options);
+        })
+    }
 }
 
 /// How the last row of an (impl, d, causal) series went, to predict the next, longer one.
@@ -535,18 +510,69 @@ enum Outcome {
     Failed,
 }
 
-/// Time every shape of `s` in `mode` ("fwd" or "fwdbwd", run by `call`).
-#[allow(clippy::too_many_arguments)]
-fn run<B: FlashAttentionBackend>(
-    device: B::Device,
-    args: &Args,
-    s: &Settings,
-    mode: &str,
-    call: Call<B>,
-    reserved: &dyn Fn() -> Option<u64>,
-    timed: &mut Vec<Timed>,
-) {
-    let mut last: HashMap<(String, usize, bool), Outcome> = HashMap::new();
+/// The rows' suffix for the options only burn-flash has (`--window`, `--softcap`, `--dropout`,
+/// `--alibi`, `--atomic-dq`): empty without them.
+fn flash_variant(args: &Args) -> String {
+    let mut variant = String::new();
+    if let Some(left) = args.window {
+        variant += &format!("-swa{left}");
+    }
+    if let Some(cap) = args.softcap {
+        variant += &format!("-cap{cap}");
+    }
+    if let Some(prob) = args.dropout {
+        variant += &format!("-drop{prob}");
+    }
+    if args.alibi {
+        variant += "-alibi";
+    }
+    if args.atomic_dq {
+        variant += "-atomicdq";
+    }
+    variant
+}
+
+/// The rows' suffix for the mask and bias (`--mask`, `--bias`), which every implementation takes.
+fn inputs_variant(args: &Args) -> String {
+    let mut variant = match args.mask {
+        Some(Mask::Keypad) => "-keypad",
+        Some(Mask::Docs) => "-docs",
+        Some(Mask::Full) => "-mask",
+        None => "",
+    }
+    .to_string();
+    if args.bias.is_some() {
+        variant += "-bias";
+    }
+    variant
+}
+
+/// The options of a call with the causal mask `causal` and what `args` ask for.
+fn options(args: &Args, causal: bool) -> FlashAttentionOptions {
+    let mut options = FlashAttentionOptions::new()
+        .with_causal(causal)
+        .with_alibi(args.alibi)
+        .with_deterministic(!args.atomic_dq);
+    if let Some(left) = args.window {
+        options = options.with_sliding_window(left);
+    }
+    if let Some(cap) = args.softcap {
+        options = options.with_softcap(cap);
+    }
+    if let Some(prob) = args.dropout {
+        options = options.with_dropout(prob, 7);
+    }
+    options
+}
+
+/// Time every shape of `s` in `mode` on `device` (the plain device for `fwd`, the autodiff one
+/// for `fwdbwd`), each call running `call`.
+fn run(device: &Device, args: &Args, s: &Settings, mode: Mode, call: Call, timed: &mut Vec<Timed>) {
+    let mode_name = name(mode);
+    let flash_variant = flash_variant(args);
+    let inputs_variant = inputs_variant(args);
+    let budget_ms = s.budget.as_secs_f64() * 1e3;
+    let mut last: HashMap<(Impl, usize, bool), Outcome> = HashMap::new();
     for &d in &s.d {
         for &n in &s.n {
             let b = if args.b > 0 {
@@ -560,35 +586,23 @@ fn run<B: FlashAttentionBackend>(
                 (s.hidden / d).max(1)
             };
             let hkv = if args.hkv > 0 { args.hkv } else { h };
-            B::seed(&device, 0);
-            let inputs: Vec<Set<B>> = (0..args.sets)
-                .map(|_| Set::random(args, &device, s.dtype, [b, h, hkv, n, d]))
+            device.seed(0);
+            let inputs: Vec<Set> = (0..args.sets)
+                .map(|_| Set::random(args, device, s.dtype.dtype(), [b, h, hkv, n, d]))
                 .collect();
-            for &causal in &args.causal {
-                let mut options = FlashAttentionOptions::new().with_causal(causal);
+            for &causal in args.causal.settings() {
+                let options = options(args, causal);
                 // FlashAttention's convention: n² pairs, halved when causal; with a window, the
                 // visible pairs exactly.
                 let pairs = match args.window {
-                    Some(left) => {
-                        options = options.with_sliding_window(left);
-                        visible_pairs(n, causal, left)
-                    }
+                    Some(left) => visible_pairs(n, causal, left),
                     None => (n * n) as f64 / if causal { 2.0 } else { 1.0 },
                 };
-                if let Some(cap) = args.softcap {
-                    options = options.with_softcap(cap);
-                }
-                if let Some(prob) = args.dropout {
-                    options = options.with_dropout(prob, 7);
-                }
-                options = options
-                    .with_alibi(args.alibi)
-                    .with_deterministic(!args.atomic_dq);
                 let forward_flops = 4.0 * (b * h * d) as f64 * pairs;
-                let flops = forward_flops * if mode == "fwdbwd" { 3.5 } else { 1.0 };
+                let flops = forward_flops * if mode == Mode::Fwdbwd { 3.5 } else { 1.0 };
                 let prefix = format!(
                     "{},{b},{h},{hkv},{n},{d},{}",
-                    dtype_name(s.dtype),
+                    name(s.dtype),
                     py_bool(causal)
                 );
                 let [q, k, v] = &inputs[0].qkv;
@@ -603,54 +617,34 @@ fn run<B: FlashAttentionBackend>(
                     }
                     Err(e) => eprintln!("burn-flash refuses b {b} h {h} n {n} d {d}: {e}"),
                 }
-                for name in &args.impls {
+                for &implementation in &args.impls {
+                    let impl_name = name(implementation);
                     // Burn's attentions have no window, softcap, dropout or ALiBi option.
-                    let mut variant = String::new();
-                    if let Some(left) = args.window {
-                        variant += &format!("-swa{left}");
-                    }
-                    if let Some(cap) = args.softcap {
-                        variant += &format!("-cap{cap}");
-                    }
-                    if let Some(prob) = args.dropout {
-                        variant += &format!("-drop{prob}");
-                    }
-                    if args.alibi {
-                        variant += "-alibi";
-                    }
-                    if args.atomic_dq {
-                        variant += "-atomicdq";
-                    }
-                    if !variant.is_empty() && name != "burn-flash" {
-                        println!("# {name},{prefix},{mode} skipped: no{variant} variant");
+                    if !flash_variant.is_empty() && implementation != Impl::Flash {
+                        println!(
+                            "# {impl_name},{prefix},{mode_name} skipped: no{flash_variant} variant"
+                        );
                         continue;
                     }
-                    // Masks and biases all take.
-                    match args.mask.as_deref() {
-                        Some("keypad") => variant += "-keypad",
-                        Some("docs") => variant += "-docs",
-                        Some(_) => variant += "-mask",
-                        None => {}
-                    }
-                    if args.bias {
-                        variant += "-bias";
-                    }
-                    let row = format!("{name}{variant},{prefix}");
-                    let key = (name.clone(), d, causal);
+                    let variant = format!("{flash_variant}{inputs_variant}");
+                    let row = format!("{impl_name}{variant},{prefix}");
+                    let key = (implementation, d, causal);
                     // A peer too slow at a shorter length is not started again: its first call
                     // (compilation, autotune) cannot be interrupted.
-                    let budget_ms = s.budget.as_secs_f64() * 1e3;
                     match last.get(&key) {
                         Some(Outcome::OverBudget) => {
-                            println!("# {row},{mode} skipped: over the budget at a shorter length");
+                            println!(
+                                "# {row},{mode_name} skipped: over the budget at a shorter length"
+                            );
                             continue;
                         }
                         Some(&Outcome::Timed { ms, flops: before }) => {
                             let predicted = ms * flops / before;
                             if predicted > budget_ms {
                                 println!(
-                                    "# {row},{mode} skipped: {predicted:.0} ms per call predicted \
-                                     from the shorter length, over the budget of {budget_ms:.0} ms"
+                                    "# {row},{mode_name} skipped: {predicted:.0} ms per call \
+                                     predicted from the shorter length, over the budget of \
+                                     {budget_ms:.0} ms"
                                 );
                                 last.insert(key, Outcome::OverBudget);
                                 continue;
@@ -658,18 +652,23 @@ fn run<B: FlashAttentionBackend>(
                         }
                         _ => {}
                     }
-                    let row = format!("{row},{mode}");
+                    let row = format!("{row},{mode_name}");
                     // Pages left by earlier rows go back, so what the pools hold after this
                     // row is its own high-water mark (at page granularity, inputs included).
-                    B::memory_cleanup(&device);
-                    let outcome =
-                        measure(&device, call, name, &row, &inputs, options, flops, s, args);
+                    device.memory_cleanup();
+                    let calls = Row {
+                        call,
+                        name: implementation,
+                        inputs: &inputs,
+                        options,
+                    };
+                    let outcome = measure(device, &calls, &row, flops, s, args);
                     if let Outcome::Timed { ms, .. } = outcome {
                         timed.push(Timed {
-                            name: format!("{name}{variant}"),
-                            shape: format!("{prefix},{mode}"),
+                            name: format!("{impl_name}{variant}"),
+                            shape: format!("{prefix},{mode_name}"),
                             ms,
-                            peak: reserved(),
+                            peak: device.memory_pool_usage().map(|usage| usage.bytes_reserved),
                         });
                     }
                     last.insert(key, outcome);
@@ -680,25 +679,21 @@ fn run<B: FlashAttentionBackend>(
 }
 
 /// Warm up, time and print one row.
-#[allow(clippy::too_many_arguments)]
-fn measure<B: FlashAttentionBackend>(
-    device: &B::Device,
-    call: Call<B>,
-    name: &str,
+fn measure(
+    device: &Device,
+    calls: &Row,
     row: &str,
-    inputs: &[Set<B>],
-    options: FlashAttentionOptions,
     flops: f64,
     s: &Settings,
     args: &Args,
 ) -> Outcome {
     PANICKED.store(false, Ordering::SeqCst);
     let result = catch_unwind(AssertUnwindSafe(|| {
-        let mut clear = (args.timing == Timing::Clear).then(|| Clear::<B>::new(device));
+        let mut clear = (args.timing == Timing::Clear).then(|| Clear::new(device));
         // First call: compilation and autotune, not timed against the budget.
-        let (first, _) = timed_batch(device, call, name, inputs, 0, 1, options, clear.as_mut());
+        let (first, _) = calls.timed_batch(device, 0, 1, clear.as_mut());
         eprintln!("{row}: first call {first:.2?}");
-        let (probe, _) = timed_batch(device, call, name, inputs, 1, 1, options, clear.as_mut());
+        let (probe, _) = calls.timed_batch(device, 1, 1, clear.as_mut());
         if probe > s.budget {
             return Err(format!(
                 "one call took {:.1} ms, over the budget of {:.0} ms",
@@ -707,16 +702,7 @@ fn measure<B: FlashAttentionBackend>(
             ));
         }
         for i in 1..s.warmup {
-            timed_batch(
-                device,
-                call,
-                name,
-                inputs,
-                i + 1,
-                1,
-                options,
-                clear.as_mut(),
-            );
+            calls.timed_batch(device, i + 1, 1, clear.as_mut());
         }
         // Batches of about 20 ms; the row kept under `row_seconds`, with at least 3 samples.
         let probe_s = probe.as_secs_f64().max(1e-6);
@@ -730,18 +716,9 @@ fn measure<B: FlashAttentionBackend>(
             // Clears alone first, then clears and calls: the difference is the calls'.
             let alone = clear
                 .as_mut()
-                .map(|clear| timed::<B>(device, batch, |_| clear.run()).0)
+                .map(|clear| timed(device, batch, |_| clear.run()).0)
                 .unwrap_or_default();
-            let (time, issue) = timed_batch(
-                device,
-                call,
-                name,
-                inputs,
-                i * batch,
-                batch,
-                options,
-                clear.as_mut(),
-            );
+            let (time, issue) = calls.timed_batch(device, i * batch, batch, clear.as_mut());
             times.push(time.saturating_sub(alone));
             issued.push(issue);
             clears.push(alone);
@@ -798,7 +775,7 @@ fn settings(args: &Args, cuda: bool) -> Settings {
     };
     if cuda {
         Settings {
-            dtype: args.dtype.unwrap_or(DType::BF16),
+            dtype: args.dtype.unwrap_or(Precision::Bf16),
             d: or(&args.d, &[64, 128]),
             n: or(&args.n, &[512, 1024, 2048, 4096, 8192, 16384]),
             tokens: 16384,
@@ -809,7 +786,7 @@ fn settings(args: &Args, cuda: bool) -> Settings {
         }
     } else {
         Settings {
-            dtype: args.dtype.unwrap_or(DType::F32),
+            dtype: args.dtype.unwrap_or(Precision::F32),
             d: or(&args.d, &[64]),
             n: or(&args.n, &[128, 256, 512]),
             tokens: 1024,
@@ -821,16 +798,9 @@ fn settings(args: &Args, cuda: bool) -> Settings {
     }
 }
 
-/// Every requested mode on backend `B` (its `Autodiff` for `fwdbwd`), then the summary.
-/// `reserved` reads the bytes the device's memory pools hold.
-fn run_modes<B: FlashAttentionBackend>(
-    device: B::Device,
-    args: &Args,
-    s: &Settings,
-    reserved: &dyn Fn() -> Option<u64>,
-) where
-    Autodiff<B>: FlashAttentionBackend<Device = B::Device>,
-{
+/// Every requested mode on `device` (its autodiff device for `fwdbwd`), then the summary.
+fn run_modes(device: &Device, args: &Args, s: &Settings) {
+    let peers = args.peers.as_deref().map(read_peers).unwrap_or_default();
     println!("impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops");
     println!(
         "# timing: {}",
@@ -840,32 +810,20 @@ fn run_modes<B: FlashAttentionBackend>(
         }
     );
     let mut timed = Vec::new();
-    for mode in &args.modes {
-        let forward_only: Call<B> = |name, inputs, options| {
-            forward(name, inputs, options);
-        };
-        match mode.as_str() {
-            "fwd" => run::<B>(
-                device.clone(),
-                args,
-                s,
-                mode,
-                forward_only,
-                reserved,
-                &mut timed,
-            ),
-            _ => run::<Autodiff<B>>(
-                device.clone(),
-                args,
-                s,
-                mode,
-                forward_backward,
-                reserved,
-                &mut timed,
-            ),
+    for &mode in &args.modes {
+        match mode {
+            Mode::Fwd => {
+                let forward_only: Call = |name, set, options| {
+                    forward(name, set, options);
+                };
+                run(device, args, s, mode, forward_only, &mut timed);
+            }
+            Mode::Fwdbwd => {
+                let autodiff = device.clone().autodiff();
+                run(&autodiff, args, s, mode, forward_backward, &mut timed);
+            }
         }
     }
-    let peers = args.peers.as_deref().map(read_peers).unwrap_or_default();
     summary(&timed, &peers);
 }
 
@@ -880,9 +838,9 @@ struct Timed {
 
 /// The timed rows of a CSV with this benchmark's columns (`--peers`, e.g. torch_sdpa_bench.py's
 /// output from the same device); comment lines, the header and `nan` rows are skipped.
-fn read_peers(path: &str) -> Vec<Timed> {
-    let text =
-        std::fs::read_to_string(path).unwrap_or_else(|e| fail(&format!("--peers {path}: {e}")));
+fn read_peers(path: &Path) -> Vec<Timed> {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| fail(format!("--peers {}: {e}", path.display())));
     text.lines()
         .filter(|line| !line.starts_with('#') && !line.starts_with("impl,"))
         .filter_map(|line| {
@@ -912,7 +870,9 @@ fn summary(timed: &[Timed], peers: &[Timed]) {
         "# summary: burn-flash's time and peak device memory per row, and its speed-up over \
          each peer (the peer's time / burn-flash's)"
     );
-    for ours in timed.iter().filter(|t| t.name == "burn-flash") {
+    // burn-flash's rows, named `burn-flash` or with a variant (`burn-flash-keypad`, ...).
+    let flash = name(Impl::Flash);
+    for ours in timed.iter().filter(|t| t.name.starts_with(&flash)) {
         let mode = ours
             .shape
             .rsplit(',')
@@ -920,8 +880,9 @@ fn summary(timed: &[Timed], peers: &[Timed]) {
             .unwrap_or_default()
             .to_string();
         let mut line = format!(
-            "# {}: burn-flash {:.4} ms{}",
+            "# {}: {} {:.4} ms{}",
             ours.shape,
+            ours.name,
             ours.ms,
             gib(ours.peak)
         );
@@ -950,89 +911,73 @@ fn summary(timed: &[Timed], peers: &[Timed]) {
     }
 }
 
-/// `--memory`: one training step per length of the first implementation, and the memory the
-/// CUDA device's pools hold afterwards.
-#[cfg(feature = "cuda")]
-fn memory(device: burn::backend::cuda::CudaDevice, args: &Args, s: &Settings) {
-    use cubecl::Runtime;
-    type B = Autodiff<burn::backend::Cuda>;
-    let name = args.impls[0].as_str();
+/// `--memory`: one training step per shape of the first implementation, and the memory the
+/// device's pools hold afterwards.
+fn memory(device: &Device, args: &Args, s: &Settings) {
+    let device = device.clone().autodiff();
+    let implementation = args.impls[0];
     println!("impl,dtype,b,h,n,d,causal,bytes_reserved,bytes_in_use");
     for &d in &s.d {
         for &n in &s.n {
-            for &causal in &args.causal {
+            for &causal in args.causal.settings() {
                 let (b, h) = (args.b.max(1), args.h.max(1));
-                let inputs = Set::<B>::random(args, &device, s.dtype, [b, h, h, n, d]);
+                let inputs = Set::random(args, &device, s.dtype.dtype(), [b, h, h, n, d]);
                 let options = FlashAttentionOptions::new().with_causal(causal);
                 let row = format!(
-                    "{name},{},{b},{h},{n},{d},{}",
-                    dtype_name(s.dtype),
+                    "{},{},{b},{h},{n},{d},{}",
+                    name(implementation),
+                    name(s.dtype),
                     py_bool(causal)
                 );
                 let step = catch_unwind(AssertUnwindSafe(|| {
-                    forward_backward::<B>(name, inputs, options);
-                    <B as burn::tensor::backend::Backend>::sync(&device).expect("device sync");
+                    forward_backward(implementation, inputs, options);
+                    device.sync().expect("device sync");
                 }));
-                let client = cubecl::cuda::CudaRuntime::client(&device);
-                match (step, client.memory_usage()) {
-                    (Ok(()), Ok(usage)) => {
+                match (step, device.memory_pool_usage()) {
+                    (Ok(()), Some(usage)) => {
                         println!("{row},{},{}", usage.bytes_reserved, usage.bytes_in_use)
                     }
                     (Err(payload), _) => {
                         println!("{row},nan,nan  # error: {}", panic_text(payload))
                     }
-                    (Ok(()), Err(e)) => println!("{row},nan,nan  # memory usage: {e:?}"),
+                    (Ok(()), None) => println!("{row},nan,nan  # the device reports no usage"),
                 }
             }
         }
     }
 }
 
-fn main() {
-    let args = parse_args();
-    watch_panics();
-
+/// The device `--backend` asks for, and whether it is a CUDA device.
+fn select_device(backend: Backend) -> (Device, bool) {
     #[cfg(feature = "cuda")]
-    if args.backend != "wgpu" {
-        match burn_flash_suite::cuda_device() {
-            Ok(device) => {
+    if backend != Backend::Wgpu {
+        match Device::enumerate(burn::tensor::DeviceType::Cuda).first() {
+            Some(device) => {
                 eprintln!("backend: CUDA ({device:?})");
-                let s = settings(&args, true);
-                if args.memory {
-                    memory(device, &args, &s);
-                } else {
-                    use cubecl::Runtime;
-                    let client = cubecl::cuda::CudaRuntime::client(&device);
-                    let reserved = move || client.memory_usage().ok().map(|u| u.bytes_reserved);
-                    if args.backend == "cuda-bare" {
-                        // CubeBackend without the fusion stream: what the stream costs per call.
-                        type Bare =
-                            burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-                        run_modes::<Bare>(device, &args, &s, &reserved);
-                    } else {
-                        run_modes::<burn::backend::Cuda>(device, &args, &s, &reserved);
-                    }
-                }
-                return;
+                return (device.clone(), true);
             }
-            Err(reason) if args.backend.starts_with("cuda") => {
-                fail(&format!("no CUDA device: {reason}"))
-            }
-            Err(reason) => eprintln!("no CUDA device ({reason}); using wgpu"),
+            None if backend == Backend::Cuda => fail("no CUDA device (no driver, or no GPU)"),
+            None => eprintln!("no CUDA device; using wgpu"),
         }
     }
     #[cfg(not(feature = "cuda"))]
-    if args.backend == "cuda" {
+    if backend == Backend::Cuda {
         fail("built without the `cuda` feature: cargo bench --features cuda");
     }
-    if args.memory {
-        fail("--memory measures a CUDA device");
-    }
-
-    let device = WgpuDevice::default();
+    let device = Device::wgpu(Default::default());
     eprintln!("backend: wgpu ({device:?}); small shapes by default");
-    let s = settings(&args, false);
-    let client = <cubecl::wgpu::WgpuRuntime as cubecl::Runtime>::client(&device);
-    let reserved = move || client.memory_usage().ok().map(|u| u.bytes_reserved);
-    run_modes::<Wgpu>(device, &args, &s, &reserved);
+    (device, false)
+}
+
+fn main() {
+    // `cargo bench` passes `--bench` to every benchmark program.
+    let args = Args::parse_from(std::env::args().filter(|arg| arg != "--bench"));
+    watch_panics();
+    let (device, cuda) = select_device(args.backend);
+    let s = settings(&args, cuda);
+    if args.memory {
+        memory(&device, &args, &s);
+    } else {
+        run_modes(&device, &args, &s);
+    }
 }

@@ -1,5 +1,5 @@
-//! The fused backward through `Autodiff<Cuda<bf16>>` / `Autodiff<Cuda>` (f16 tensors) against
-//! the f64 reference gradients of `common`, with the FlashAttention test rule of DESIGN.md
+//! The fused backward on an autodiff CUDA device (`Device::cuda(..).autodiff()`, bf16 and f16
+//! tensors) against the f64 reference gradients of `common`, with the FlashAttention test rule of DESIGN.md
 //! section 5 (see [`judge`]): on the same rounded inputs and upstream gradient, each of dq, dk
 //! and dv of the fused path is at most twice as far from the f64 reference as the unfused
 //! path's, and never NaN.
@@ -8,6 +8,10 @@
 //! benchmark shapes (sampled heads). On the small edge-case shapes it is
 //! `common::unfused_grads`, the same steps emulated on the CPU with the dtype's rounding after
 //! each: Burn's fallback would autotune its matmuls for every odd length.
+//!
+//! On Burn 0.23 every tensor carries its dtype and every CubeCL runtime is one backend: the bf16
+//! and f16 cases run on the same device (where Burn 0.21 had `Autodiff<Cuda<bf16>>` and
+//! `Autodiff<Cuda>`), each tensor created in the case's dtype.
 //!
 //! Without a CUDA device each test prints `skipping: no CUDA device (...)` and passes, unless
 //! `BURN_FLASH_REQUIRE_CUDA` is set (set it on the GPU machine).
@@ -18,14 +22,10 @@ use crate::common;
 
 use std::time::Instant;
 
-use burn::backend::cuda::CudaDevice;
-use burn::backend::{Autodiff, Cuda};
-use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::module::attention_fallback;
-use burn::tensor::{DType, Distribution, Tensor};
+use burn::tensor::{DType, Device, Distribution, Tensor};
 use burn_flash::{
-    FlashAttentionBackend, FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention,
-    flash_attention_plan,
+    FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention, flash_attention_plan,
 };
 use common::cuda::{cuda_device, has_tensor_cores, has_tma};
 use common::{
@@ -92,17 +92,18 @@ fn judge(dtype: DType, fused: &Error, base: &Error, atol: f64) -> Result<(), Str
     }
 }
 
-/// Fused gradients of `sum(upstream ∘ attention(q, k, v))` on backend `B`, after checking that
-/// the fused tensor-core path (or the portable one, on a GPU without SM80 MMAs) runs.
-fn fused_grads<B: FlashAttentionBackend + AutodiffBackend>(
-    device: &B::Device,
+/// Fused gradients of `sum(upstream ∘ attention(q, k, v))` on the autodiff `device`, after
+/// checking that the fused tensor-core path (or the portable one, on a GPU without SM80 MMAs)
+/// runs.
+fn fused_grads(
+    device: &Device,
     label: &str,
-    [q, k, v]: [Tensor<B, 4>; 3],
-    upstream: Tensor<B, 4>,
+    [q, k, v]: [Tensor<4>; 3],
+    upstream: Tensor<4>,
     spec: Spec,
     expect: TilePath,
     deterministic: bool,
-) -> Result<[Tensor<B, 4>; 3], String> {
+) -> Result<[Tensor<4>; 3], String> {
     let [q, k, v] = [q, k, v].map(|t| t.require_grad());
     let options = spec.options(None).with_deterministic(deterministic);
     // Here a non-deterministic backward means the atomic dQ, whatever the shape's faster one.
@@ -113,17 +114,16 @@ fn fused_grads<B: FlashAttentionBackend + AutodiffBackend>(
     }
     let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
     let grads = (out * upstream).sum().backward();
-    let grad = |t: &Tensor<B, 4>| {
+    let grad = |t: &Tensor<4>| {
         t.grad(&grads)
-            .map(Tensor::<B, 4>::from_inner)
             .ok_or(format!("{label}: a gradient is missing"))
     };
-    B::sync(device).map_err(|e| format!("{label}: {e:?}"))?;
+    device.sync().map_err(|e| format!("{label}: {e:?}"))?;
     Ok([grad(&q)?, grad(&k)?, grad(&v)?])
 }
 
 /// The tile bf16/f16 must run on this GPU.
-fn expected_tile(device: &CudaDevice, dtype: DType) -> TilePath {
+fn expected_tile(device: &Device, dtype: DType) -> TilePath {
     if has_tensor_cores(device, dtype) {
         TilePath::TensorCore
     } else {
@@ -225,15 +225,11 @@ fn small_problems() -> Vec<(Problem, Spec)> {
 }
 
 /// `deterministic`: dQ by its own launch instead of f32 atomics (forced where not the faster).
-fn check_small<B: FlashAttentionBackend<Device = CudaDevice> + AutodiffBackend>(
-    test: &str,
-    dtype: DType,
-    first_seed: u64,
-    deterministic: bool,
-) {
+fn check_small(test: &str, dtype: DType, first_seed: u64, deterministic: bool) {
     let Some(device) = cuda_device(test) else {
         return;
     };
+    let device = device.autodiff();
     burn_flash::testing::poison_outputs(true);
     let expect = expected_tile(&device, dtype);
     let mut failures = Vec::new();
@@ -243,11 +239,11 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice> + AutodiffBackend>(
         let started = Instant::now();
         let inputs = Inputs::random(problem, dtype, seed);
         let upstream = random_normal(problem.out_dims().iter().product(), seed ^ 0x5EED, dtype);
-        let grads = fused_grads::<B>(
+        let grads = fused_grads(
             &device,
             &label,
-            inputs.to_device::<B>(&device),
-            tensor_from_host::<B>(&upstream, problem.out_dims(), dtype, &device),
+            inputs.to_device(&device),
+            tensor_from_host(&upstream, problem.out_dims(), dtype, &device),
             spec,
             expect,
             deterministic,
@@ -273,26 +269,27 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice> + AutodiffBackend>(
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// bf16 gradients on `Autodiff<Cuda<bf16>>`, small and odd shapes, dQ by atomics.
+/// bf16 gradients (Burn 0.21: on `Autodiff<Cuda<bf16>>`), small and odd shapes, dQ by atomics.
 #[test]
 fn small_shapes_bf16() {
-    check_small::<Autodiff<Cuda<half::bf16>>>("small_shapes_bf16", DType::BF16, 100, false);
+    check_small("small_shapes_bf16", DType::BF16, 100, false);
 }
 
-/// f16 tensors on `Autodiff<Cuda>`, small and odd shapes, dQ by its deterministic launch.
+/// f16 tensors (Burn 0.21: on `Autodiff<Cuda>`), small and odd shapes, dQ by its deterministic
+/// launch.
 #[test]
 fn small_shapes_f16_deterministic() {
-    check_small::<Autodiff<Cuda>>("small_shapes_f16_deterministic", DType::F16, 200, true);
+    check_small("small_shapes_f16_deterministic", DType::F16, 200, true);
 }
 
 /// The deterministic backward repeats bit for bit on the tensor cores; for the atomic one the
 /// test prints how many dQ elements differ from it (last-bit differences of the f32 sums).
 #[test]
 fn deterministic_backward_repeats_bitwise() {
-    type B = Autodiff<Cuda<half::bf16>>;
     let Some(device) = cuda_device("deterministic_backward_repeats_bitwise") else {
         return;
     };
+    let device = device.autodiff();
     // Bits compared between calls: no dK/dV launch of the process splits meanwhile.
     let _whole = burn_flash::testing::tail_slots(0);
     let problem = Problem::cross(2, 4, 700, 1100, 128);
@@ -300,11 +297,11 @@ fn deterministic_backward_repeats_bitwise() {
     let upstream = random_normal(problem.out_dims().iter().product(), 78, DType::BF16);
     let expect = expected_tile(&device, DType::BF16);
     let run = |deterministic: bool| {
-        let grads = fused_grads::<B>(
+        let grads = fused_grads(
             &device,
             "repeat",
-            inputs.to_device::<B>(&device),
-            tensor_from_host::<B>(&upstream, problem.out_dims(), DType::BF16, &device),
+            inputs.to_device(&device),
+            tensor_from_host(&upstream, problem.out_dims(), DType::BF16, &device),
             Spec::from(true),
             expect,
             deterministic,
@@ -339,10 +336,10 @@ fn deterministic_backward_repeats_bitwise() {
 /// the f64 reference. Without the copy engine both runs take the copies.
 #[test]
 fn tma_staging_matches_copies() {
-    type B = Autodiff<Cuda<half::bf16>>;
     let Some(device) = cuda_device("tma_staging_matches_copies") else {
         return;
     };
+    let device = device.autodiff();
     // Bits compared between calls: no dK/dV launch of the process splits meanwhile.
     let _whole = burn_flash::testing::tail_slots(0);
     burn_flash::testing::poison_outputs(true);
@@ -363,11 +360,11 @@ fn tma_staging_matches_copies() {
             let inputs = Inputs::random(problem, dtype, seed);
             let upstream = random_normal(problem.out_dims().iter().product(), seed ^ 0x5EED, dtype);
             let run = |deterministic: bool| {
-                let grads = fused_grads::<B>(
+                let grads = fused_grads(
                     &device,
                     &label,
-                    inputs.to_device::<B>(&device),
-                    tensor_from_host::<B>(&upstream, problem.out_dims(), dtype, &device),
+                    inputs.to_device(&device),
+                    tensor_from_host(&upstream, problem.out_dims(), dtype, &device),
                     spec,
                     expect,
                     deterministic,
@@ -422,10 +419,10 @@ fn tma_staging_matches_copies() {
 /// every run is judged against the f64 reference.
 #[test]
 fn split_tail_matches_reference() {
-    type B = Autodiff<Cuda<half::bf16>>;
     let Some(device) = cuda_device("split_tail_matches_reference") else {
         return;
     };
+    let device = device.autodiff();
     burn_flash::testing::poison_outputs(true);
     let dtype = DType::BF16;
     let expect = expected_tile(&device, dtype);
@@ -445,11 +442,11 @@ fn split_tail_matches_reference() {
         let inputs = Inputs::random(problem, dtype, seed);
         let upstream = random_normal(problem.out_dims().iter().product(), seed ^ 0x5EED, dtype);
         let run = |deterministic: bool| {
-            fused_grads::<B>(
+            fused_grads(
                 &device,
                 &format!("{problem} {spec}"),
-                inputs.to_device::<B>(&device),
-                tensor_from_host::<B>(&upstream, problem.out_dims(), dtype, &device),
+                inputs.to_device(&device),
+                tensor_from_host(&upstream, problem.out_dims(), dtype, &device),
                 spec,
                 expect,
                 deterministic,
@@ -499,10 +496,10 @@ fn split_tail_matches_reference() {
 /// checked for NaN/inf.
 #[test]
 fn benchmark_shapes_bf16() {
-    type B = Autodiff<Cuda<half::bf16>>;
     let Some(device) = cuda_device("benchmark_shapes_bf16") else {
         return;
     };
+    let device = device.autodiff();
     burn_flash::testing::poison_outputs(true);
     let dtype = DType::BF16;
     let n = 2048;
@@ -515,12 +512,11 @@ fn benchmark_shapes_bf16() {
         let label = format!("{dtype:?} b {batch} h {heads} n {n} d {head_dim} causal {causal}");
         let started = Instant::now();
         let splits = burn_flash::testing::tail_splits();
-        B::seed(&device, 40 + index as u64);
+        device.seed(40 + index as u64);
         let dims = [batch, heads, n, head_dim];
-        let random =
-            || Tensor::<B, 4>::random(dims, Distribution::Normal(0.0, 1.0), (&device, dtype));
+        let random = || Tensor::<4>::random(dims, Distribution::Normal(0.0, 1.0), (&device, dtype));
         let (q, k, v, upstream) = (random(), random(), random(), random());
-        let fused = match fused_grads::<B>(
+        let fused = match fused_grads(
             &device,
             &label,
             [q.clone(), k.clone(), v.clone()],
@@ -540,7 +536,7 @@ fn benchmark_shapes_bf16() {
         println!("{label}: the dK/dV launch's last wave split: {split}");
         for (name, grad) in ["dq", "dk", "dv"].iter().zip(&fused) {
             let bad = grad.clone().is_nan().int().sum() + grad.clone().is_inf().int().sum();
-            let bad = bad.into_scalar();
+            let bad = bad.into_scalar::<i64>();
             if bad != 0 {
                 failures.push(format!("{label}: {name}: {bad} NaN/inf values"));
             }
@@ -557,11 +553,11 @@ fn benchmark_shapes_bf16() {
             options.into(),
         );
         let grads = (out * upstream.clone()).sum().backward();
-        let unfused = [&uq, &uk, &uv].map(|t| Tensor::<B, 4>::from_inner(t.grad(&grads).unwrap()));
+        let unfused = [&uq, &uk, &uv].map(|t| t.grad(&grads).unwrap());
 
         let problem = Problem::square(1, 1, n, head_dim);
         for (b, h) in [(0, 0), (batch - 1, heads - 1)] {
-            let head = |t: &Tensor<B, 4>| to_host(t.clone().slice([b..b + 1, h..h + 1]));
+            let head = |t: &Tensor<4>| to_host(t.clone().slice([b..b + 1, h..h + 1]));
             let (rq, rk, rv) = reference_grads(
                 &problem,
                 &head(&q),

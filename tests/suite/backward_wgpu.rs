@@ -1,18 +1,14 @@
-//! The fused backward through `Autodiff<Wgpu>` (f32, the portable kernels) against the f64
+//! The fused backward on an autodiff wgpu device (f32, the portable kernels) against the f64
 //! reference gradients of `common`, on lavapipe in CI: small shapes, fresh random inputs and
 //! random upstream gradients; every gradient buffer is poisoned with NaN before the kernels run.
 
 use crate::common;
 
-use burn::backend::wgpu::WgpuDevice;
-use burn::backend::{Autodiff, Wgpu};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use burn_flash::{
     FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention, flash_attention_plan,
 };
 use common::{Inputs, Problem, error, random_normal, reference_grads, to_host, widen};
-
-type B = Autodiff<Wgpu>;
 
 /// Relative tolerance of the f32 gradients. Each gradient is a sum over at most 200 rows of
 /// products of f32 dot products of at most 128 terms, so rounding stays near 1e-6 (measured);
@@ -26,7 +22,7 @@ fn check(problem: Problem, causal: bool, seed: u64) {
 /// The fused gradients of one problem against the reference, dQ by atomics where the runtime
 /// has f32 atomic add (`deterministic` false) or by its own launch.
 fn check_mode(problem: Problem, causal: bool, seed: u64, deterministic: bool) {
-    let device = WgpuDevice::default();
+    let device = Device::wgpu(Default::default()).autodiff();
     burn_flash::testing::poison_outputs(true);
     let inputs = Inputs::random(problem, DType::F32, seed);
     let grad_out = random_normal(
@@ -34,7 +30,7 @@ fn check_mode(problem: Problem, causal: bool, seed: u64, deterministic: bool) {
         seed ^ 0xA5A5,
         DType::F32,
     );
-    let [q, k, v] = inputs.to_device::<B>(&device).map(|t| t.require_grad());
+    let [q, k, v] = inputs.to_device(&device).map(|t| t.require_grad());
     let options = FlashAttentionOptions::new()
         .with_causal(causal)
         .with_deterministic(deterministic);
@@ -44,8 +40,7 @@ fn check_mode(problem: Problem, causal: bool, seed: u64, deterministic: bool) {
         "{problem}: the fused path must run under autodiff"
     );
     let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
-    let upstream =
-        common::tensor_from_host::<B>(&grad_out, problem.out_dims(), DType::F32, &device);
+    let upstream = common::tensor_from_host(&grad_out, problem.out_dims(), DType::F32, &device);
     let grads = (out * upstream).sum().backward();
 
     let (rq, rk, rv) = reference_grads(
@@ -144,14 +139,14 @@ fn split_tail_matches_reference() {
 /// The deterministic backward gives the same bits on every run of the same inputs.
 #[test]
 fn deterministic_backward_repeats_bitwise() {
-    let device = WgpuDevice::default();
+    let device = Device::wgpu(Default::default()).autodiff();
     // Bits compared between calls: no dK/dV launch of the process splits meanwhile.
     let _whole = burn_flash::testing::tail_slots(0);
     let problem = Problem::cross(1, 2, 90, 77, 64);
     let inputs = Inputs::random(problem, DType::F32, 5);
     let options = FlashAttentionOptions::causal().with_deterministic(true);
     let run = || {
-        let [q, k, v] = inputs.to_device::<B>(&device).map(|t| t.require_grad());
+        let [q, k, v] = inputs.to_device(&device).map(|t| t.require_grad());
         let grads = flash_attention(q.clone(), k.clone(), v.clone(), options)
             .sum()
             .backward();
@@ -183,18 +178,18 @@ fn reference_gradients_match_finite_differences() {
 
 /// A small model (linear projection, then causal self-attention of the projection with itself):
 /// its parameter gradients through the fused op against the f64 reference chained through the
-/// linear layer by hand. (Burn 0.21's own autodiff of `attention_fallback` is not used as the
-/// reference here: on this model its bias gradient is off by ~100 % against the f64 reference
-/// while its output is right; see docs/backward.md.)
+/// linear layer by hand. (Burn's own autodiff of `attention_fallback` is not used as the
+/// reference here: on this model Burn 0.21's bias gradient was off by ~100 % against the f64
+/// reference while its output was right; see docs/backward.md.)
 #[test]
 fn model_gradients_match_reference() {
     use burn::nn::{Linear, LinearConfig};
     use burn::tensor::Distribution;
 
-    let device = WgpuDevice::default();
+    let device = Device::wgpu(Default::default()).autodiff();
     let (dim, problem) = (32, Problem::square(2, 2, 40, 32));
-    let linear: Linear<B> = LinearConfig::new(dim, dim).init(&device);
-    let x = Tensor::<B, 4>::random(problem.q_dims(), Distribution::Normal(0.0, 1.0), &device);
+    let linear: Linear = LinearConfig::new(dim, dim).init(&device);
+    let x = Tensor::<4>::random(problem.q_dims(), Distribution::Normal(0.0, 1.0), &device);
     let h = linear.forward(x.clone());
     let h_host = to_host(h.clone());
     let out = flash_attention(h.clone(), h.clone(), h, FlashAttentionOptions::causal());
@@ -240,17 +235,17 @@ fn model_gradients_match_reference() {
 fn strided_inputs_and_upstream_gradient() {
     use burn::tensor::Distribution;
 
-    let device = WgpuDevice::default();
+    let device = Device::wgpu(Default::default()).autodiff();
     burn_flash::testing::poison_outputs(true);
     let problem = Problem::cross(2, 3, 37, 45, 64);
     let heads_second = |[b, h, n, d]: [usize; 4]| {
-        Tensor::<B, 4>::random([b, n, h, d], Distribution::Normal(0.0, 1.0), &device).require_grad()
+        Tensor::<4>::random([b, n, h, d], Distribution::Normal(0.0, 1.0), &device).require_grad()
     };
     let leaves = [problem.q_dims(), problem.k_dims(), problem.v_dims()].map(heads_second);
     let [q, k, v] = leaves.clone().map(|leaf| leaf.swap_dims(1, 2));
     let [b, h, n, dv] = problem.out_dims();
-    let upstream = Tensor::<B, 4>::random([b, n, h, dv], Distribution::Normal(0.0, 1.0), &device);
-    let host = |t: Tensor<B, 4>| to_host(t);
+    let upstream = Tensor::<4>::random([b, n, h, dv], Distribution::Normal(0.0, 1.0), &device);
+    let host = |t: Tensor<4>| to_host(t);
     let (q_host, k_host, v_host) = (host(q.clone()), host(k.clone()), host(v.clone()));
     let grad_out = host(upstream.clone().swap_dims(1, 2));
 

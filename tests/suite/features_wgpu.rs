@@ -1,14 +1,12 @@
 //! The attention features beyond plain (causal) attention, forward and backward, on the portable
-//! tile through `Autodiff<Wgpu>` (f32; lavapipe in CI): grouped-query attention, sliding windows
+//! tile on an autodiff wgpu device (f32; lavapipe in CI): grouped-query attention, sliding windows
 //! and bands, the softcap, and their combinations, against the f64 reference of `common` (whose
 //! own gradients are checked against finite differences here too). Outputs and gradients are
 //! poisoned with NaN before the kernels run.
 
 use crate::common;
 
-use burn::backend::wgpu::WgpuDevice;
-use burn::backend::{Autodiff, Wgpu};
-use burn::tensor::DType;
+use burn::tensor::{DType, Device, Tensor};
 use burn_flash::{
     FlashAttentionError, FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention,
     flash_attention_plan, try_flash_attention,
@@ -17,8 +15,6 @@ use common::{
     Inputs, Problem, Spec, error, masked_rows, random_normal, reference_attention, reference_grads,
     tensor_from_host, to_host, widen,
 };
-
-type B = Autodiff<Wgpu>;
 
 /// As in `forward_wgpu.rs`: f32 rounding stays near 1e-6 on these sizes, one wrongly admitted or
 /// hidden key moves a row by ~1/seq_k ≥ 5e-3. Judged on the global relative error and on every
@@ -36,13 +32,13 @@ pub(crate) fn check(
     seed: u64,
     fused: bool,
 ) -> Vec<String> {
-    let device = WgpuDevice::default();
+    let device = Device::wgpu(Default::default()).autodiff();
     burn_flash::testing::poison_outputs(true);
     let label = format!("{problem} {spec} scale {scale:?} seed {seed}");
     let started = std::time::Instant::now();
     let inputs = Inputs::random(problem, DType::F32, seed);
     let upstream = random_normal(problem.out_dims().iter().product(), seed ^ 0xA5, DType::F32);
-    let [q, k, v] = inputs.to_device::<B>(&device).map(|t| t.require_grad());
+    let [q, k, v] = inputs.to_device(&device).map(|t| t.require_grad());
     let options = spec.options(scale);
 
     let plan = flash_attention_plan(&q, &k, &v, options).unwrap();
@@ -56,7 +52,7 @@ pub(crate) fn check(
     }
 
     let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
-    let grad_out = tensor_from_host::<B>(&upstream, problem.out_dims(), DType::F32, &device);
+    let grad_out = tensor_from_host(&upstream, problem.out_dims(), DType::F32, &device);
     let got = to_host(out.clone());
     let grads = (out * grad_out).sum().backward();
 
@@ -275,8 +271,8 @@ fn reference_gradients_match_finite_differences() {
 /// Heads that do not group, and a softcap that is not finite and positive, are refused.
 #[test]
 fn invalid_feature_inputs_are_refused() {
-    let device = WgpuDevice::default();
-    let t = |dims: [usize; 4]| burn::tensor::Tensor::<Wgpu, 4>::zeros(dims, &device);
+    let device = Device::wgpu(Default::default());
+    let t = |dims: [usize; 4]| Tensor::<4>::zeros(dims, &device);
     let error = try_flash_attention(
         t([1, 3, 4, 8]),
         t([1, 2, 4, 8]),

@@ -1,4 +1,4 @@
-//! The fused forward on `burn::backend::Cuda` against the f64 CPU reference of `common`.
+//! The fused forward on a CUDA device (`Device::cuda`) against the f64 CPU reference of `common`.
 //!
 //! bf16/f16 follow the FlashAttention test rule (DESIGN.md, section 5): on the same rounded
 //! inputs, the fused output's error against the f64 reference is at most twice the error of an
@@ -10,6 +10,10 @@
 //! (15-50 s each on an H100) and make this file take many minutes.
 //!
 //! f32 inputs (the portable tile on CUDA) are held to the fixed f32 tolerance of `forward_wgpu`.
+//!
+//! On Burn 0.23 every tensor carries its dtype and every CubeCL runtime is one backend: the bf16,
+//! f16 and f32 cases run on the same `Device::cuda` (where Burn 0.21 had `Cuda<bf16>` and `Cuda`),
+//! each tensor created in the case's dtype.
 //!
 //! Each test first checks that a CUDA device answers; without one it prints
 //! `skipping: no CUDA device (...)` and passes, unless `BURN_FLASH_REQUIRE_CUDA` is set (do set it
@@ -25,14 +29,11 @@ use crate::common;
 use std::io::Write;
 use std::time::Instant;
 
-use burn::backend::Cuda;
-use burn::backend::cuda::CudaDevice;
-use burn::tensor::backend::Backend;
 use burn::tensor::module::attention_fallback;
-use burn::tensor::{DType, Distribution, Tensor};
+use burn::tensor::{DType, Device, Distribution, Tensor};
 use burn_flash::{
-    FlashAttentionBackend, FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention,
-    flash_attention_plan,
+    FlashAttentionOptions, FlashAttentionPlan, FlashAttentionProblem, TilePath, flash_attention,
+    flash_attention_plan, flash_attention_support,
 };
 use common::cuda::{cuda_device, has_tensor_cores};
 use common::{
@@ -50,7 +51,7 @@ const F32_TOLERANCE: f64 = 1e-4;
 const RULE_FLOOR: f64 = 1e-6;
 
 /// The path bf16/f16 inputs of this head dim must take on this device.
-fn expected_plan(device: &CudaDevice, dtype: DType, problem: &Problem) -> Expect {
+fn expected_plan(device: &Device, dtype: DType, problem: &Problem) -> Expect {
     match dtype {
         DType::F32 => Expect::Tile(TilePath::Portable),
         _ if !has_tensor_cores(device, dtype) => {
@@ -134,7 +135,7 @@ fn judge(dtype: DType, fused: &Error, baseline: Option<&Error>) -> Result<(), St
 }
 
 /// Count NaN and infinite values of a whole device tensor (cheap: on the device).
-fn count_non_finite<B: Backend>(tensor: Tensor<B, 4>) -> i64 {
+fn count_non_finite(tensor: Tensor<4>) -> i64 {
     let bad = tensor.clone().is_nan().int().sum() + tensor.is_inf().int().sum();
     bad.into_data().iter::<i64>().next().unwrap_or(-1)
 }
@@ -202,13 +203,20 @@ fn small_cases(first_seed: u64, other_head_dim: bool) -> Vec<Case> {
         .collect()
 }
 
-/// Run one small case on backend `B` in `dtype`: the plan, and the output against the f64
-/// reference of the same rounded inputs (and, for bf16/f16, the emulated unfused baseline).
-fn check_small<B: FlashAttentionBackend<Device = CudaDevice>>(
-    device: &CudaDevice,
-    case: Case,
-    dtype: DType,
-) -> Result<(), String> {
+/// How a small case reaches the kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    /// The public API on a `Device::cuda` tensor: Burn's fusion backend, the kernels run from
+    /// the fusion stream's custom operation.
+    Api,
+    /// The backend extension trait called on Burn's bare CubeCL backend (`CubeBackend`, without
+    /// fusion) with tensors of the same device (see [`bare`]).
+    Bare,
+}
+
+/// Run one small case on `device` in `dtype` by `route`: the plan, and the output against the
+/// f64 reference of the same rounded inputs (and, for bf16/f16, the emulated unfused baseline).
+fn check_small(device: &Device, case: Case, dtype: DType, route: Route) -> Result<(), String> {
     burn_flash::testing::poison_outputs(true);
     let started = Instant::now();
     let Case {
@@ -218,27 +226,65 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice>>(
         seed,
     } = case;
     let inputs = Inputs::random(problem, dtype, seed);
-    let [q, k, v] = inputs.to_device::<B>(device);
     let options = spec.options(scale);
-
-    let plan = flash_attention_plan(&q, &k, &v, options)
-        .map_err(|e| format!("{dtype:?} {case}: refused: {e}"))?;
     let expect = expected_plan(device, dtype, &problem);
-    if !expect.accepts(&plan) {
-        return Err(format!(
-            "{dtype:?} {case}: plan is {plan}, expected {expect:?}"
-        ));
-    }
 
-    let out = flash_attention(q, k, v, options);
-    if out.dtype() != dtype || out.dims() != problem.out_dims() {
-        return Err(format!(
-            "{dtype:?} {case}: output is {:?} {:?}",
-            out.dtype(),
-            out.dims()
-        ));
-    }
-    let fused = to_host(out);
+    let (plan, fused) = match route {
+        Route::Api => {
+            let [q, k, v] = inputs.to_device(device);
+            let plan = flash_attention_plan(&q, &k, &v, options)
+                .map_err(|e| format!("{dtype:?} {case}: refused: {e}"))?;
+            if !expect.accepts(&plan) {
+                return Err(format!(
+                    "{dtype:?} {case}: plan is {plan}, expected {expect:?}"
+                ));
+            }
+            let out = flash_attention(q, k, v, options);
+            if out.dtype() != dtype || out.dims() != problem.out_dims() {
+                return Err(format!(
+                    "{dtype:?} {case}: output is {:?} {:?}",
+                    out.dtype(),
+                    out.dims()
+                ));
+            }
+            (plan, to_host(out))
+        }
+        Route::Bare => {
+            // What a caller of the backend trait asks first (the public API's plan asks the same).
+            let problem_dims = FlashAttentionProblem::new(
+                problem.q_dims(),
+                problem.k_dims(),
+                problem.v_dims(),
+                dtype,
+                spec.causal,
+            );
+            let plan = match flash_attention_support(device, &problem_dims) {
+                Ok(tile) => FlashAttentionPlan::Fused(tile),
+                Err(reason) => FlashAttentionPlan::Fallback(reason),
+            };
+            if !expect.accepts(&plan) {
+                return Err(format!(
+                    "{dtype:?} {case}: support is {plan}, expected {expect:?}"
+                ));
+            }
+            if !plan.is_fused() {
+                // Burn 0.21's bare backend ran Burn's `attention_fallback` here; the backend
+                // trait has nothing to run, and the fallback is covered through the API.
+                eprintln!(
+                    "{dtype:?} {case}: {plan}: not run on the bare backend (the fused kernels \
+                     do not take it)"
+                );
+                return Ok(());
+            }
+            let (out_dtype, out_dims, out) = bare::forward(device, &inputs, options);
+            if out_dtype != dtype || out_dims != problem.out_dims() {
+                return Err(format!(
+                    "{dtype:?} {case}: output is {out_dtype:?} {out_dims:?}"
+                ));
+            }
+            (plan, out)
+        }
+    };
     let call_time = started.elapsed();
     let (reference, _) = inputs.reference(spec, scale);
     let fused_err = error(&fused, &reference, problem.value_dim);
@@ -268,25 +314,101 @@ fn check_small<B: FlashAttentionBackend<Device = CudaDevice>>(
     Ok(())
 }
 
-fn check_all_small<B: FlashAttentionBackend<Device = CudaDevice>>(
-    test: &str,
-    dtype: DType,
-    first_seed: u64,
-) {
-    check_cases::<B>(test, dtype, &small_cases(first_seed, dtype != DType::F16));
+/// The fused forward called through the backend extension trait on Burn's bare CubeCL backend.
+///
+/// Burn 0.21 had a backend type per runtime, and `CubeBackend<CudaRuntime, ..>` without `Fusion`
+/// ran the public API on unfused tensors. Burn 0.23 has one CubeCL backend for every runtime
+/// (re-exported as `burn::backend::wgpu::CubeBackend`, CUDA's as much as wgpu's), and a
+/// `Device::cuda` tensor always runs on it through `Fusion` (the `fusion` feature). The nearest
+/// equivalent is this: the inputs as `CubeBackend` tensors of the same CUDA device, the forward
+/// of `<CubeBackend as FlashAttentionBackend>`, the output read back, without the fusion stream.
+mod bare {
+    use burn::backend::ops::FloatTensorOps;
+    use burn::backend::tensor::FloatTensor;
+    use burn::backend::wgpu::CubeBackend;
+    use burn::backend::{CubeDevice, DispatchDevice, TensorMetadata};
+    use burn::tensor::{DType, Device, TensorData, read_sync};
+    use burn_flash::{FlashAttentionBackend, FlashAttentionOptions, ScoreInputs};
+
+    use crate::common::Inputs;
+
+    /// The CubeCL device under a (non-autodiff) `Device`.
+    fn cube_device(device: &Device) -> CubeDevice {
+        match device.clone().without_autodiff().as_dispatch() {
+            DispatchDevice::Cube(cube) => cube.clone(),
+            #[allow(unreachable_patterns)]
+            other => panic!("not a CubeCL device: {other:?}"),
+        }
+    }
+
+    /// A `CubeBackend` tensor of `dtype` holding `values` (representable in `dtype`).
+    fn from_host(
+        values: &[f32],
+        dims: [usize; 4],
+        dtype: DType,
+        device: &CubeDevice,
+    ) -> FloatTensor<CubeBackend> {
+        let data = match dtype {
+            DType::F32 => TensorData::new(values.to_vec(), dims),
+            DType::F16 => TensorData::new(
+                values.iter().map(|&x| half::f16::from_f32(x)).collect(),
+                dims,
+            ),
+            DType::BF16 => TensorData::new(
+                values.iter().map(|&x| half::bf16::from_f32(x)).collect(),
+                dims,
+            ),
+            other => panic!("unsupported test dtype {other:?}"),
+        };
+        let tensor = CubeBackend::float_from_data(data, device);
+        assert_eq!(
+            tensor.dtype(),
+            dtype,
+            "the tensor was not created in {dtype:?}"
+        );
+        tensor
+    }
+
+    /// The output of the fused forward on `inputs`: its dtype, dims and values widened to f64.
+    pub fn forward(
+        device: &Device,
+        inputs: &Inputs,
+        options: FlashAttentionOptions,
+    ) -> (DType, Vec<usize>, Vec<f64>) {
+        let device = cube_device(device);
+        let p = &inputs.problem;
+        let tensor = |values: &[f32], dims| from_host(values, dims, inputs.dtype, &device);
+        let forward = <CubeBackend as FlashAttentionBackend>::flash_attention_forward(
+            tensor(&inputs.q, p.q_dims()),
+            tensor(&inputs.k, p.k_dims()),
+            tensor(&inputs.v, p.v_dims()),
+            ScoreInputs::Neither,
+            options,
+        );
+        let output = forward.output;
+        let (dtype, dims) = (output.dtype(), output.shape().to_vec());
+        let data = read_sync(CubeBackend::float_into_data(output))
+            .unwrap_or_else(|error| panic!("reading the bare backend's output: {error:?}"));
+        (dtype, dims, data.iter::<f64>().collect())
+    }
 }
 
-fn check_cases<B: FlashAttentionBackend<Device = CudaDevice>>(
-    test: &str,
-    dtype: DType,
-    cases: &[Case],
-) {
+fn check_all_small(test: &str, dtype: DType, first_seed: u64, route: Route) {
+    check_cases(
+        test,
+        dtype,
+        &small_cases(first_seed, dtype != DType::F16),
+        route,
+    );
+}
+
+fn check_cases(test: &str, dtype: DType, cases: &[Case], route: Route) {
     let Some(device) = cuda_device(test) else {
         return;
     };
     let failures: Vec<String> = cases
         .iter()
-        .filter_map(|&case| check_small::<B>(&device, case, dtype).err())
+        .filter_map(|&case| check_small(&device, case, dtype, route).err())
         .collect();
     assert!(
         failures.is_empty(),
@@ -297,25 +419,29 @@ fn check_cases<B: FlashAttentionBackend<Device = CudaDevice>>(
     );
 }
 
-/// bf16 on `Cuda<bf16>` (the backend's default float type is bf16).
+/// bf16 tensors on `Device::cuda` (Burn 0.21: on `Cuda<bf16>`, whose default float was bf16).
 #[test]
 fn small_shapes_bf16() {
-    check_all_small::<Cuda<half::bf16>>("small_shapes_bf16", DType::BF16, 1000);
+    check_all_small("small_shapes_bf16", DType::BF16, 1000, Route::Api);
 }
 
-/// f16 tensors on the default `Cuda` backend (f32 default float, the tensors carry f16); every
-/// tensor-core head dim (bf16 also covers the fallback of head dim 48).
+/// f16 tensors on `Device::cuda`; every tensor-core head dim (bf16 also covers the fallback of
+/// head dim 48).
 #[test]
 fn small_shapes_f16() {
-    check_all_small::<Cuda>("small_shapes_f16", DType::F16, 2000);
+    check_all_small("small_shapes_f16", DType::F16, 2000, Route::Api);
 }
 
-/// bf16 on the bare `CubeBackend` (no fusion), which `Cuda` wraps: the same kernels, reached
-/// without `Fusion`'s custom operation.
+/// bf16 on the bare `CubeBackend` (no fusion), which the fusion backend of `Device::cuda` wraps:
+/// the same kernels, reached without `Fusion`'s custom operation (see [`bare`]).
 #[test]
 fn small_shapes_bf16_bare_backend() {
-    type Bare = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>;
-    check_all_small::<Bare>("small_shapes_bf16_bare_backend", DType::BF16, 4000);
+    check_all_small(
+        "small_shapes_bf16_bare_backend",
+        DType::BF16,
+        4000,
+        Route::Bare,
+    );
 }
 
 /// The softcap at the edge of the forward's bounded max (`features_wgpu::softcap_at_the_bound`
@@ -343,14 +469,14 @@ fn softcap_at_the_bound() {
         seed: 5000 + index as u64,
     })
     .collect();
-    check_cases::<Cuda<half::bf16>>("softcap_at_the_bound", DType::BF16, &cases);
-    check_cases::<Cuda>("softcap_at_the_bound", DType::F16, &cases);
+    check_cases("softcap_at_the_bound", DType::BF16, &cases, Route::Api);
+    check_cases("softcap_at_the_bound", DType::F16, &cases, Route::Api);
 }
 
 /// f32 inputs are accepted on CUDA and run the portable tile.
 #[test]
 fn small_shapes_f32() {
-    check_all_small::<Cuda>("small_shapes_f32", DType::F32, 3000);
+    check_all_small("small_shapes_f32", DType::F32, 3000, Route::Api);
 }
 
 /// Query rows compared at benchmark sizes: the block edges (16, 32, 64, 128 rows) at both
@@ -372,22 +498,21 @@ fn sample_rows(n: usize, extra: usize, seed: u64) -> Vec<usize> {
 /// `h = 2048 / d`), compared on sampled heads and rows (the full f64 reference would take
 /// minutes of CPU); the whole fused output is checked for NaN/inf on the device.
 fn check_benchmark_shape(
-    device: &CudaDevice,
+    device: &Device,
     dtype: DType,
     head_dim: usize,
     n: usize,
     causal: bool,
     seed: u64,
 ) -> Result<(), String> {
-    type B = Cuda;
     burn_flash::testing::poison_outputs(true);
     let started = Instant::now();
     let (batch, heads) = ((16384 / n).max(1), 2048 / head_dim);
     let label = format!("{dtype:?} b {batch} h {heads} n {n} d {head_dim} causal {causal}");
-    B::seed(device, seed);
+    device.seed(seed);
     let dims = [batch, heads, n, head_dim];
-    let [q, k, v] = [(); 3]
-        .map(|_| Tensor::<B, 4>::random(dims, Distribution::Normal(0.0, 1.0), (device, dtype)));
+    let [q, k, v] =
+        [(); 3].map(|_| Tensor::<4>::random(dims, Distribution::Normal(0.0, 1.0), (device, dtype)));
     let options = FlashAttentionOptions::new().with_causal(causal);
     let plan = flash_attention_plan(&q, &k, &v, options).map_err(|e| format!("{label}: {e}"))?;
     let expect = expected_plan(device, dtype, &Problem::square(batch, heads, n, head_dim));
@@ -405,7 +530,7 @@ fn check_benchmark_shape(
     let fused_time = started.elapsed();
     let fallback_started = Instant::now();
     let fallback = attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options.into());
-    B::sync(device).map_err(|e| format!("{label}: {e:?}"))?;
+    device.sync().map_err(|e| format!("{label}: {e:?}"))?;
     let fallback_time = fallback_started.elapsed();
 
     let scale = 1.0 / (head_dim as f64).sqrt();
@@ -415,7 +540,7 @@ fn check_benchmark_shape(
     let (mut got, mut base, mut emulated, mut reference) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (b, h) in sampled_heads {
-        let head = |t: &Tensor<B, 4>| to_host(t.clone().slice([b..b + 1, h..h + 1, 0..n]));
+        let head = |t: &Tensor<4>| to_host(t.clone().slice([b..b + 1, h..h + 1, 0..n]));
         let (qh, kh, vh) = (head(&q), head(&k), head(&v));
         let (fh, bh) = (head(&fused), head(&fallback));
         let narrow = |x: &[f64]| x.iter().map(|&v| v as f32).collect::<Vec<f32>>();

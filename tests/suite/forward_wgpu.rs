@@ -1,4 +1,4 @@
-//! The fused forward on `burn::backend::Wgpu` (f32, the portable tile) against the f64 CPU
+//! The fused forward on a wgpu device (f32, the portable tile) against the f64 CPU
 //! reference of `common`. In CI this runs on lavapipe, Mesa's Vulkan driver on the CPU: small
 //! shapes only, and few distinct kernels (each (head dim, causal) pair is one shader to compile).
 //!
@@ -9,12 +9,10 @@ use crate::common;
 
 use std::time::Instant;
 
-use burn::backend::Wgpu;
-use burn::backend::wgpu::WgpuDevice;
-use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Device};
 use burn_flash::{
-    FlashAttentionBackend, FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention,
-    flash_attention_plan,
+    FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention, flash_attention_plan,
+    flash_attention_with_lse,
 };
 use common::{Inputs, Problem, error, lse_error, masked_rows, to_host, visible_keys};
 
@@ -79,7 +77,7 @@ fn cases(problems: &[Problem], first_seed: u64) -> Vec<Case> {
 /// Run one case through `flash_attention` and compare with the reference. Returns a description
 /// of what is wrong, if anything.
 fn check(case: Case, expect: Expect) -> Result<(), String> {
-    let device = WgpuDevice::default();
+    let device = Device::wgpu(Default::default());
     burn_flash::testing::poison_outputs(true);
     let started = Instant::now();
     let Case {
@@ -89,7 +87,7 @@ fn check(case: Case, expect: Expect) -> Result<(), String> {
         seed,
     } = case;
     let inputs = Inputs::random(problem, DType::F32, seed);
-    let [q, k, v] = inputs.to_device::<Wgpu>(&device);
+    let [q, k, v] = inputs.to_device(&device);
     let mut options = FlashAttentionOptions::new().with_causal(causal);
     if let Some(scale) = scale {
         options = options.with_scale(scale);
@@ -319,11 +317,11 @@ fn other_head_dims() {
     check_all(&any, Expect::Any);
 }
 
-/// The log-sum-exp the backward will need, through the backend trait: natural log, per row,
-/// `-inf` for rows that see no key.
+/// The log-sum-exp the backward will need, through `flash_attention_with_lse`: natural log, per
+/// row, `-inf` for rows that see no key.
 #[test]
 fn log_sum_exp_rows() {
-    let device = WgpuDevice::default();
+    let device = Device::wgpu(Default::default());
     burn_flash::testing::poison_outputs(true);
     let mut failures = Vec::new();
     let cases = [
@@ -333,19 +331,11 @@ fn log_sum_exp_rows() {
     ];
     for (problem, causal, seed) in cases {
         let inputs = Inputs::random(problem, DType::F32, seed);
-        let [q, k, v] = inputs.to_device::<Wgpu>(&device);
+        let [q, k, v] = inputs.to_device(&device);
         let options = FlashAttentionOptions::new().with_causal(causal);
         let plan = flash_attention_plan(&q, &k, &v, options).unwrap();
         assert_eq!(plan, FlashAttentionPlan::Fused(TilePath::Portable));
-        let forward = <Wgpu as FlashAttentionBackend>::flash_attention_forward(
-            q.into_primitive().tensor(),
-            k.into_primitive().tensor(),
-            v.into_primitive().tensor(),
-            Default::default(),
-            options,
-        );
-        let out = Tensor::<Wgpu, 4>::from_primitive(TensorPrimitive::Float(forward.output));
-        let lse = Tensor::<Wgpu, 3>::from_primitive(TensorPrimitive::Float(forward.lse));
+        let (out, lse) = flash_attention_with_lse(q, k, v, options);
         assert_eq!(lse.dtype(), DType::F32);
         assert_eq!(lse.dims(), [problem.batch, problem.heads, problem.seq_q]);
         let (ref_out, ref_lse) = inputs.reference(causal, None);

@@ -1,13 +1,18 @@
-//! The integration tests, in one binary: each test binary links Burn with both runtimes, and on
+//! The integration tests, in one binary: each test binary links Burn with its runtimes, and on
 //! CI's two cores every extra one costs minutes of build.
 //!
-//! - `forward_wgpu`, `backward_wgpu`, `features_wgpu`, `nn_wgpu`: the portable tile on
-//!   `burn::backend::Wgpu` (lavapipe in CI), f32, against the f64 reference of `common`.
+//! - `forward_wgpu`, `backward_wgpu`, `features_wgpu`, `nn_wgpu`: the portable tile on a wgpu
+//!   device (lavapipe in CI), f32, against the f64 reference of `common`.
 //! - `masks`: boolean masks and additive biases, on wgpu (f32, portable tile) and, with feature
 //!   `cuda`, on the tensor-core tile.
+//! - `reliability`: random shapes and options, extreme logits, non-finite inputs and concurrent
+//!   calls, on wgpu and, with feature `cuda`, on the tensor-core tile, with long sequences and
+//!   tensors of more than 2^31 elements.
 //! - `forward_cuda`, `backward_cuda` (feature `cuda`): the tensor-core tile on the FA2 shapes with
-//!   DESIGN.md's 2× rule; each test prints `skipping: no CUDA device (...)` and passes without a
-//!   GPU, unless `BURN_FLASH_REQUIRE_CUDA=1`.
+//!   DESIGN.md's 2× rule.
+//!
+//! Without a CUDA device each CUDA test prints `skipping: no CUDA device (...)` and passes, unless
+//! `BURN_FLASH_REQUIRE_CUDA` is set.
 
 #[allow(dead_code)]
 mod common;

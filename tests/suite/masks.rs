@@ -1,17 +1,16 @@
 //! Boolean masks (key padding, full and broadcast) and additive biases (with their gradient),
 //! forward and backward, alone and with the causal mask, windows, the softcap and grouped-query
 //! attention, against the f64 reference of `common` given the same mask and bias. Rows the mask
-//! (or a bias of `-inf`) hides entirely must be exactly 0, gradients included. The checks are
-//! generic over the backend: `wgpu` runs them on the portable tile in f32 (lavapipe in CI) with a
-//! fixed tolerance, `cuda` on the tensor-core tile in bf16 with DESIGN.md's 2× rule.
+//! (or a bias of `-inf`) hides entirely must be exactly 0, gradients included. The checks take
+//! the device, dtype and expected path as arguments: `wgpu` runs them on the portable tile in f32
+//! (lavapipe in CI) with a fixed tolerance, `cuda` on the tensor-core tile in bf16 with DESIGN.md's
+//! 2× rule.
 
 use crate::common;
 
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Bool, DType, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
 use burn_flash::{
-    AttentionMask, FlashAttentionBackend, FlashAttentionPlan, TilePath, flash_attention_masked,
-    flash_attention_plan,
+    AttentionMask, FlashAttentionPlan, TilePath, flash_attention_masked, flash_attention_plan,
 };
 use common::{
     Inputs, Problem, Scores, Spec, error, masked_rows_scores, random_normal,
@@ -210,11 +209,11 @@ pub struct Outcome {
     pub failures: Vec<String>,
 }
 
-/// Run `case` under autodiff on `device` in `dtype` and compare with the reference (and, when
-/// `unfused`, compute the unfused baseline in the dtype for the 2× rule). `tile`: the path the
-/// call must take (`None`: the fallback).
-pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
-    device: &B::Device,
+/// Run `case` on `device` (an autodiff device) in `dtype` and compare with the reference (and,
+/// when `unfused`, compute the unfused baseline in the dtype for the 2× rule). `tile`: the path
+/// the call must take (`None`: the fallback).
+pub fn run(
+    device: &Device,
     case: &Case,
     dtype: DType,
     seed: u64,
@@ -236,7 +235,7 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
     );
     let inputs = Inputs::random(p, dtype, seed);
     let upstream = random_normal(p.out_dims().iter().product(), seed ^ 0xA5, dtype);
-    let [q, k, v] = inputs.to_device::<B>(device).map(|t| t.require_grad());
+    let [q, k, v] = inputs.to_device(device).map(|t| t.require_grad());
     let mut options = case
         .spec
         .options(None)
@@ -258,7 +257,7 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
     let mask = mask_values(case, seed);
     let bias = bias_values(case, dtype, seed);
     let device_mask = mask.as_ref().map(|(dims, values)| {
-        let full = Tensor::<B, 4, Bool>::from_data(TensorData::new(values.clone(), *dims), device);
+        let full = Tensor::<4, Bool>::from_data(TensorData::new(values.clone(), *dims), device);
         match case.mask {
             MaskInput::KeyPadding => AttentionMask::KeyPadding(full.reshape([p.batch, p.seq_k])),
             _ if case.expanded => AttentionMask::Full(full.expand(full_dims(&p))),
@@ -266,7 +265,7 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
         }
     });
     let device_bias = case.bias.zip(bias.as_ref()).map(|(input, values)| {
-        let tensor = tensor_from_host::<B>(values, input.dims, dtype, device);
+        let tensor = tensor_from_host(values, input.dims, dtype, device);
         if input.grad {
             tensor.require_grad()
         } else {
@@ -287,7 +286,7 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
         call_bias,
         options,
     );
-    let grad_out = tensor_from_host::<B>(&upstream, p.out_dims(), dtype, device);
+    let grad_out = tensor_from_host(&upstream, p.out_dims(), dtype, device);
     let got_out = to_host(out.clone());
     let grads = (out * grad_out).sum().backward();
 
@@ -374,16 +373,12 @@ pub fn run<B: FlashAttentionBackend + AutodiffBackend>(
     }
 }
 
-/// The portable tile through `Autodiff<Wgpu>` in f32 (lavapipe in CI).
+/// The portable tile on an autodiff wgpu device in f32 (lavapipe in CI).
 mod wgpu {
     use super::*;
-    use burn::backend::wgpu::WgpuDevice;
-    use burn::backend::{Autodiff, Wgpu};
     use burn_flash::{
         FlashAttentionError, flash_attention, try_flash_attention, try_flash_attention_masked,
     };
-
-    type B = Autodiff<Wgpu>;
 
     /// As in `features_wgpu`: f32 rounding stays near 1e-6 on these sizes, one wrongly admitted
     /// or hidden key, or a bias misplaced by one element, moves a row by ~1e-2. Judged on the
@@ -391,11 +386,11 @@ mod wgpu {
     const TOLERANCE: f64 = 1e-4;
 
     fn check_all(cases: &[Case], first_seed: u64, tile: Option<TilePath>) {
-        let device = WgpuDevice::default();
+        let device = Device::wgpu(Default::default()).autodiff();
         let mut failures = Vec::new();
         for (index, case) in cases.iter().enumerate() {
             let started = std::time::Instant::now();
-            let outcome = run::<B>(
+            let outcome = run(
                 &device,
                 case,
                 DType::F32,
@@ -664,10 +659,10 @@ mod wgpu {
     #[test]
     fn dropout_seeds_and_refusals() {
         use burn_flash::FlashAttentionOptions;
-        let device = WgpuDevice::default();
+        let device = Device::wgpu(Default::default());
         let p = Problem::square(1, 2, 40, 16);
         let inputs = Inputs::random(p, DType::F32, 5);
-        let [q, k, v] = inputs.to_device::<Wgpu>(&device);
+        let [q, k, v] = inputs.to_device(&device);
         let run = |options: FlashAttentionOptions| {
             to_host(flash_attention(q.clone(), k.clone(), v.clone(), options))
         };
@@ -694,7 +689,7 @@ mod wgpu {
                 "{prob}: {error}"
             );
         }
-        let wide = Tensor::<Wgpu, 4>::zeros([1, 1, 4, 288], &device);
+        let wide = Tensor::<4>::zeros([1, 1, 4, 288], &device);
         let options = FlashAttentionOptions::new().with_dropout(0.1, 0);
         let error =
             try_flash_attention(wide.clone(), wide.clone(), wide.clone(), options).unwrap_err();
@@ -743,19 +738,17 @@ mod wgpu {
 
     #[test]
     fn invalid_masks_and_biases_are_refused() {
-        let device = WgpuDevice::default();
-        let t = |dims: [usize; 4]| Tensor::<Wgpu, 4>::zeros(dims, &device);
-        let run = |mask: Option<AttentionMask<Wgpu>>, bias: Option<Tensor<Wgpu, 4>>| {
+        let device = Device::wgpu(Default::default());
+        let t = |dims: [usize; 4]| Tensor::<4>::zeros(dims, &device);
+        let run = |mask: Option<AttentionMask>, bias: Option<Tensor<4>>| {
             let x = t([2, 3, 4, 8]);
             let kv = t([2, 3, 5, 8]);
             let options = burn_flash::FlashAttentionOptions::new();
             try_flash_attention_masked(x, kv.clone(), kv, mask, bias, options).unwrap_err()
         };
-        let padding = |dims: [usize; 2]| {
-            AttentionMask::KeyPadding(Tensor::<Wgpu, 2, Bool>::empty(dims, &device))
-        };
-        let full =
-            |dims: [usize; 4]| AttentionMask::Full(Tensor::<Wgpu, 4, Bool>::empty(dims, &device));
+        let padding =
+            |dims: [usize; 2]| AttentionMask::KeyPadding(Tensor::<2, Bool>::empty(dims, &device));
+        let full = |dims: [usize; 4]| AttentionMask::Full(Tensor::<4, Bool>::empty(dims, &device));
         for (mask, got) in [
             (padding([2, 4]), vec![2, 4]),
             (padding([3, 5]), vec![3, 5]),
@@ -878,14 +871,13 @@ fn dropout_generator_statistics() {
 /// Skipped, with a printed reason, where the runtime has no CPU adapter.
 #[test]
 fn inputs_on_another_device_are_refused() {
-    use burn::backend::Wgpu;
-    use burn::backend::wgpu::WgpuDevice;
+    use burn::tensor::DeviceKind;
     use burn_flash::{FlashAttentionError, FlashAttentionOptions, try_flash_attention_masked};
     use std::io::Write;
 
-    let here = WgpuDevice::default();
-    let there = WgpuDevice::Cpu;
-    let probe = std::panic::catch_unwind(|| Tensor::<Wgpu, 1>::zeros([1], &there).into_data());
+    let here = Device::wgpu(DeviceKind::DefaultDevice);
+    let there = Device::wgpu(DeviceKind::Cpu);
+    let probe = std::panic::catch_unwind(|| Tensor::<1>::zeros([1], &there).into_data());
     if probe.is_err() {
         let _ = writeln!(
             std::io::stderr(),
@@ -893,14 +885,14 @@ fn inputs_on_another_device_are_refused() {
         );
         return;
     }
-    let t = |device: &WgpuDevice| Tensor::<Wgpu, 4>::zeros([1, 2, 4, 8], device);
-    let mask = |device: &WgpuDevice| {
-        Some(AttentionMask::Full(Tensor::<Wgpu, 4, Bool>::empty(
+    let t = |device: &Device| Tensor::<4>::zeros([1, 2, 4, 8], device);
+    let mask = |device: &Device| {
+        Some(AttentionMask::Full(Tensor::<4, Bool>::empty(
             [1, 2, 4, 4],
             device,
         )))
     };
-    let bias = |device: &WgpuDevice| Some(Tensor::<Wgpu, 4>::zeros([1, 2, 4, 4], device));
+    let bias = |device: &Device| Some(Tensor::<4>::zeros([1, 2, 4, 4], device));
     let options = FlashAttentionOptions::new();
     let error =
         try_flash_attention_masked(t(&here), t(&there), t(&here), None, None, options).unwrap_err();
@@ -921,24 +913,23 @@ fn inputs_on_another_device_are_refused() {
     }
 }
 
-/// The tensor-core tile through `Autodiff<Cuda<bf16>>`, with DESIGN.md's 2× rule.
+/// The tensor-core tile on an autodiff CUDA device in bf16 (Burn 0.21: `Autodiff<Cuda<bf16>>`),
+/// with DESIGN.md's 2× rule.
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
-    use burn::backend::{Autodiff, Cuda};
     use burn_flash::{FlashAttentionError, FlashAttentionOptions, try_flash_attention_masked};
     use common::cuda::cuda_device;
-
-    type B = Autodiff<Cuda<half::bf16>>;
 
     fn check_all(test: &str, cases: &[Case], first_seed: u64) {
         let Some(device) = cuda_device(test) else {
             return;
         };
+        let device = device.autodiff();
         let mut failures = Vec::new();
         for (index, case) in cases.iter().enumerate() {
             let seed = first_seed + index as u64;
-            let outcome = run::<B>(
+            let outcome = run(
                 &device,
                 case,
                 DType::BF16,
@@ -1235,10 +1226,8 @@ mod cuda {
         let Some(device) = cuda_device("bias_dtype_must_match_cuda") else {
             return;
         };
-        let x =
-            tensor_from_host::<Cuda<half::bf16>>(&[0.0; 1024], [1, 2, 8, 64], DType::BF16, &device);
-        let bias =
-            tensor_from_host::<Cuda<half::bf16>>(&[0.0; 128], [1, 2, 8, 8], DType::F32, &device);
+        let x = tensor_from_host(&[0.0; 1024], [1, 2, 8, 64], DType::BF16, &device);
+        let bias = tensor_from_host(&[0.0; 128], [1, 2, 8, 8], DType::F32, &device);
         let error = try_flash_attention_masked(
             x.clone(),
             x.clone(),

@@ -1,17 +1,13 @@
-//! `burn_flash::nn::FlashMultiHeadAttention` on `burn::backend::Wgpu` (f32; lavapipe in CI):
-//! its three attention kernels against an f64 CPU computation of multi-head attention from the
-//! module's own weights and against each other, the causal mask, the configured features
-//! (grouped heads, window, softcap) with masks and biases, and parameter gradients through
-//! `Autodiff<Wgpu>`.
+//! `burn_flash::nn::FlashMultiHeadAttention` on a wgpu device (f32; lavapipe in CI): its three
+//! attention kernels against an f64 CPU computation of multi-head attention from the module's
+//! own weights and against each other, the causal mask, the configured features (grouped heads,
+//! window, softcap) with masks and biases, and parameter gradients on an autodiff wgpu device.
 
 use crate::common;
 
-use burn::backend::wgpu::WgpuDevice;
-use burn::backend::{Autodiff, Wgpu};
 use burn::module::Param;
 use burn::nn::Linear;
-use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, DType, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Gradients, Tensor, TensorData};
 use burn_flash::nn::{AttentionKernel, FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
 use burn_flash::{
     AttentionMask, FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention_plan,
@@ -34,27 +30,24 @@ const TOLERANCE: f64 = 1e-4;
 const D_MODEL: usize = 32;
 const HEADS: usize = 2;
 
-fn module<B: burn_flash::FlashAttentionBackend>(
-    causal: bool,
-    device: &B::Device,
-) -> FlashMultiHeadAttention<B> {
-    B::seed(device, 7);
+fn module(causal: bool, device: &Device) -> FlashMultiHeadAttention {
+    device.seed(7);
     FlashMultiHeadAttentionConfig::new(D_MODEL, HEADS)
         .with_causal(causal)
         .with_dropout(0.0)
         .init(device)
 }
 
-fn with_kernel<B: burn_flash::FlashAttentionBackend>(
-    module: &FlashMultiHeadAttention<B>,
+fn with_kernel(
+    module: &FlashMultiHeadAttention,
     kernel: AttentionKernel,
-) -> FlashMultiHeadAttention<B> {
+) -> FlashMultiHeadAttention {
     let mut module = module.clone();
     module.kernel = kernel;
     module
 }
 
-fn input<B: Backend>(values: &[f32], batch: usize, seq: usize, device: &B::Device) -> Tensor<B, 3> {
+fn input(values: &[f32], batch: usize, seq: usize, device: &Device) -> Tensor<3> {
     Tensor::from_data(
         TensorData::new(values.to_vec(), [batch, seq, D_MODEL]),
         device,
@@ -62,7 +55,7 @@ fn input<B: Backend>(values: &[f32], batch: usize, seq: usize, device: &B::Devic
 }
 
 /// `x · W + b` on host rows of `d_in` values; Burn's `Linear` stores `W` as `[d_in, d_out]`.
-fn linear_host<B: Backend>(x: &[f64], linear: &Linear<B>) -> Vec<f64> {
+fn linear_host(x: &[f64], linear: &Linear) -> Vec<f64> {
     let [d_in, d_out] = linear.weight.val().dims();
     let weight = to_host(linear.weight.val());
     let bias = linear.bias.as_ref().map(|b| to_host(b.val()));
@@ -109,8 +102,8 @@ fn split_heads(x: &[f64], batch: usize, seq: usize, heads: usize, inverse: bool)
 
 /// Multi-head attention from the module's weights, in f64 on the host, written from the
 /// definition: project, split heads, attend (the shared reference), merge, project.
-fn reference<B: burn_flash::FlashAttentionBackend>(
-    module: &FlashMultiHeadAttention<B>,
+fn reference(
+    module: &FlashMultiHeadAttention,
     query: &[f32],
     key_value: &[f32],
     batch: usize,
@@ -131,13 +124,13 @@ fn reference<B: burn_flash::FlashAttentionBackend>(
 
 #[test]
 fn kernels_match_the_f64_reference_and_each_other() {
-    let device = WgpuDevice::default();
+    let device = Device::wgpu(Default::default());
     let batch = 2;
     // Self-attention, then cross-attention with fewer keys than queries (the causal mask then
     // leaves the first rows with no key).
     for (case, [seq_q, seq_k]) in [[37, 37], [45, 29]].into_iter().enumerate() {
         for causal in [false, true] {
-            let module = module::<Wgpu>(causal, &device);
+            let module = module(causal, &device);
             let seed = 100 + case as u64 * 2 + causal as u64;
             let query = random_normal(batch * seq_q * D_MODEL, seed, DType::F32);
             let key_value = random_normal(batch * seq_k * D_MODEL, seed ^ 0xFF, DType::F32);
@@ -145,7 +138,7 @@ fn kernels_match_the_f64_reference_and_each_other() {
             let outputs: Vec<Vec<f64>> = KERNELS
                 .iter()
                 .map(|&kernel| {
-                    let kv = input::<Wgpu>(&key_value, batch, seq_k, &device);
+                    let kv = input(&key_value, batch, seq_k, &device);
                     let out = with_kernel(&module, kernel).forward(
                         input(&query, batch, seq_q, &device),
                         kv.clone(),
@@ -183,7 +176,7 @@ fn kernels_match_the_f64_reference_and_each_other() {
 /// from their definitions.
 #[test]
 fn features_match_the_f64_reference() {
-    let device = WgpuDevice::default();
+    let device = Device::wgpu(Default::default());
     let (batch, seq, heads, kv_heads) = (2, 29, 4, 2);
     let d_k = D_MODEL / heads;
     let spec = Spec {
@@ -192,7 +185,7 @@ fn features_match_the_f64_reference() {
         right: None,
         softcap: Some(3.0),
     };
-    <Wgpu as Backend>::seed(&device, 9);
+    device.seed(9);
     let module = FlashMultiHeadAttentionConfig::new(D_MODEL, heads)
         .with_n_kv_heads(Some(kv_heads))
         .with_causal(true)
@@ -200,7 +193,7 @@ fn features_match_the_f64_reference() {
         .with_softcap(Some(3.0))
         .with_alibi(true)
         .with_dropout(0.0)
-        .init::<Wgpu>(&device);
+        .init(&device);
     assert_eq!(module.key.weight.val().dims(), [D_MODEL, kv_heads * d_k]);
 
     // The last 5 positions of the second sequence are padding; one bias per head and pair.
@@ -251,15 +244,11 @@ fn features_match_the_f64_reference() {
     );
 
     for kernel in KERNELS {
-        let mask = Tensor::<Wgpu, 2, Bool>::from_data(
-            TensorData::new(padding.clone(), [batch, seq]),
-            &device,
-        );
-        let bias = Tensor::<Wgpu, 4>::from_data(
-            TensorData::new(bias.clone(), [1, heads, seq, seq]),
-            &device,
-        );
-        let x = input::<Wgpu>(&x, batch, seq, &device);
+        let mask =
+            Tensor::<2, Bool>::from_data(TensorData::new(padding.clone(), [batch, seq]), &device);
+        let bias =
+            Tensor::<4>::from_data(TensorData::new(bias.clone(), [1, heads, seq, seq]), &device);
+        let x = input(&x, batch, seq, &device);
         let out = with_kernel(&module, kernel).forward_masked(
             x.clone(),
             x.clone(),
@@ -275,8 +264,8 @@ fn features_match_the_f64_reference() {
 
 #[test]
 fn flash_kernel_runs_fused_at_the_module_shapes() {
-    let device = WgpuDevice::default();
-    let heads = Tensor::<Wgpu, 4>::zeros([2, HEADS, 37, D_MODEL / HEADS], &device);
+    let device = Device::wgpu(Default::default());
+    let heads = Tensor::<4>::zeros([2, HEADS, 37, D_MODEL / HEADS], &device);
     assert_eq!(
         flash_attention_plan(&heads, &heads, &heads, FlashAttentionOptions::causal()).unwrap(),
         FlashAttentionPlan::Fused(TilePath::Portable)
@@ -285,7 +274,7 @@ fn flash_kernel_runs_fused_at_the_module_shapes() {
 
 #[test]
 fn causal_rows_ignore_later_positions() {
-    let device = WgpuDevice::default();
+    let device = Device::wgpu(Default::default());
     let (batch, seq, cut) = (1, 40, 23);
     let x = random_normal(batch * seq * D_MODEL, 11, DType::F32);
     // The same sequence with every position after `cut` replaced.
@@ -297,7 +286,7 @@ fn causal_rows_ignore_later_positions() {
     ));
     let prefix = (cut + 1) * D_MODEL;
     for causal in [true, false] {
-        let module = module::<Wgpu>(causal, &device);
+        let module = module(causal, &device);
         for kernel in KERNELS {
             let module = with_kernel(&module, kernel);
             let run =
@@ -321,10 +310,7 @@ fn causal_rows_ignore_later_positions() {
 }
 
 /// Every parameter's gradient, flattened, in the module's field order.
-fn parameter_grads(
-    module: &FlashMultiHeadAttention<Autodiff<Wgpu>>,
-    grads: &<Autodiff<Wgpu> as burn::tensor::backend::AutodiffBackend>::Gradients,
-) -> Vec<(String, Vec<f64>)> {
+fn parameter_grads(module: &FlashMultiHeadAttention, grads: &Gradients) -> Vec<(String, Vec<f64>)> {
     let mut out = Vec::new();
     for (name, linear) in [
         ("query", &module.query),
@@ -332,9 +318,8 @@ fn parameter_grads(
         ("value", &module.value),
         ("output", &module.output),
     ] {
-        let grad = |param: &Param<Tensor<Autodiff<Wgpu>, 2>>| {
-            to_host(param.val().grad(grads).expect("a weight gradient"))
-        };
+        let grad =
+            |param: &Param<Tensor<2>>| to_host(param.val().grad(grads).expect("a weight gradient"));
         out.push((format!("{name}.weight"), grad(&linear.weight)));
         let bias = linear.bias.as_ref().expect("biases are on by default");
         let bias_grad = bias.val().grad(grads).expect("a bias gradient");
@@ -371,8 +356,8 @@ fn bias_grad(b: &[f64], n: usize) -> Vec<f64> {
 /// Parameter gradients of `Σ upstream ∘ module.forward_self(x)` in f64, by the chain rule
 /// through the projections around the shared reference gradients of attention; in the order of
 /// [`parameter_grads`].
-fn reference_parameter_grads<B: burn_flash::FlashAttentionBackend>(
-    module: &FlashMultiHeadAttention<B>,
+fn reference_parameter_grads(
+    module: &FlashMultiHeadAttention,
     x: &[f32],
     upstream: &[f32],
     batch: usize,
@@ -421,24 +406,23 @@ fn reference_parameter_grads<B: burn_flash::FlashAttentionBackend>(
     out
 }
 
-/// Parameter gradients of the module with the fused kernel, through `Autodiff<Wgpu>`, against
+/// Parameter gradients of the module with the fused kernel, on an autodiff wgpu device, against
 /// the f64 chain rule. (Burn's own kernels agree with it too, to 4e-7, measured once; they are
 /// left out here because their autotune on lavapipe costs minutes.) The key bias gradient is 0
 /// exactly (adding `q·b` to every score of a row leaves its softmax unchanged), so it is judged
 /// in absolute terms: f32 rounding leaves ~2e-7 of it.
 #[test]
 fn parameter_gradients_match_the_f64_chain_rule() {
-    type B = Autodiff<Wgpu>;
-    let device = WgpuDevice::default();
+    let device = Device::wgpu(Default::default()).autodiff();
     let (batch, seq) = (2, 33);
     let mut failures = Vec::new();
     for causal in [true, false] {
-        let module = module::<B>(causal, &device);
+        let module = module(causal, &device);
         let x = random_normal(batch * seq * D_MODEL, 21 + causal as u64, DType::F32);
         let upstream = random_normal(batch * seq * D_MODEL, 31 + causal as u64, DType::F32);
         let expected = reference_parameter_grads(&module, &x, &upstream, batch, seq);
         let out = module.forward_self(input(&x, batch, seq, &device));
-        let grads = (out * input::<B>(&upstream, batch, seq, &device))
+        let grads = (out * input(&upstream, batch, seq, &device))
             .sum()
             .backward();
         for ((name, got), expected) in parameter_grads(&module, &grads).iter().zip(&expected) {

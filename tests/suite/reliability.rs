@@ -1,14 +1,13 @@
 //! Reliability: random shapes and options from a fixed seed list, logits up to ±1e4, non-finite
 //! inputs, many threads calling at once, and (CUDA) sequences of 256k keys, tensors, masks and
-//! biases of more than 2^31 elements, and the ragged shapes `compute-sanitizer` runs over (`scripts/gpu-run.sh
-//! sanitize`). The checks are generic over the backend; `wgpu` runs them on the portable tile
-//! (lavapipe in CI), `cuda` on the tensor-core tile.
+//! biases of more than 2^31 elements, and the ragged shapes `compute-sanitizer` runs over
+//! (`scripts/gpu-run.sh sanitize`). The checks take the device and dtype as arguments; `wgpu` runs
+//! them on the portable tile (lavapipe in CI), `cuda` on the tensor-core tile.
 
 use crate::common;
 
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, Tensor};
-use burn_flash::{FlashAttentionBackend, FlashAttentionOptions, flash_attention};
+use burn::tensor::{DType, Device, Tensor};
+use burn_flash::{FlashAttentionOptions, flash_attention};
 use common::{
     Inputs, Problem, Spec, error, random_normal, reference_attention, reference_grads,
     tensor_from_host, to_host, unfused_attention, unfused_grads, widen,
@@ -94,8 +93,8 @@ fn extreme_inputs(problem: Problem, dtype: DType, seed: u64, max_logit: f64) -> 
 /// `P = exp(s − lse)` from the log-sum-exp stored in f32 (as FlashAttention-2 does), and at
 /// `|lse| ≈ 1e4` its rounding alone, up to `|lse| · 2^-24`, is a relative error of P of about
 /// 6e-4. Twice that is allowed; a wrong max, an overflow or a missed rescale costs O(1).
-pub(crate) fn extreme_logits<B: FlashAttentionBackend + AutodiffBackend>(
-    device: &B::Device,
+pub(crate) fn extreme_logits(
+    device: &Device,
     dtype: DType,
     cases: &[(Problem, bool)],
 ) -> Vec<String> {
@@ -112,9 +111,9 @@ pub(crate) fn extreme_logits<B: FlashAttentionBackend + AutodiffBackend>(
             .with_causal(causal)
             .with_scale(scale);
 
-        let [q, k, v] = inputs.to_device::<B>(device).map(|t| t.require_grad());
+        let [q, k, v] = inputs.to_device(device).map(|t| t.require_grad());
         let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
-        let grad_out = tensor_from_host::<B>(&upstream, problem.out_dims(), dtype, device);
+        let grad_out = tensor_from_host(&upstream, problem.out_dims(), dtype, device);
         let got = to_host(out.clone());
         let grads = (out * grad_out).sum().backward();
         let fused = [&q, &k, &v].map(|t| t.grad(&grads).map(to_host).unwrap_or_default());
@@ -185,8 +184,8 @@ fn sees_non_finite(bh: usize, row: usize) -> Option<bool> {
 /// matmul-based attention. With `propagates`, output rows that see a NaN (in their query or in a
 /// visible value) must hold a non-finite value: the NaN is not hidden behind a plausible number.
 /// Returns what failed.
-pub(crate) fn non_finite_inputs<B: FlashAttentionBackend + AutodiffBackend>(
-    device: &B::Device,
+pub(crate) fn non_finite_inputs(
+    device: &Device,
     dtype: DType,
     head_dim: usize,
     propagates: bool,
@@ -201,9 +200,9 @@ pub(crate) fn non_finite_inputs<B: FlashAttentionBackend + AutodiffBackend>(
     let upstream = random_normal(problem.out_dims().iter().product(), 32, dtype);
     let options = FlashAttentionOptions::causal().with_deterministic(true);
     let run = |inputs: &Inputs| {
-        let [q, k, v] = inputs.to_device::<B>(device).map(|t| t.require_grad());
+        let [q, k, v] = inputs.to_device(device).map(|t| t.require_grad());
         let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
-        let g = tensor_from_host::<B>(&upstream, problem.out_dims(), dtype, device);
+        let g = tensor_from_host(&upstream, problem.out_dims(), dtype, device);
         let got = to_host(out.clone());
         let grads = (out * g).sum().backward();
         let [dq, dk, dv] = [&q, &k, &v].map(|t| t.grad(&grads).map(to_host).unwrap_or_default());
@@ -292,38 +291,30 @@ fn concurrent_cases(head_dim: usize, dtype: DType) -> Vec<(Inputs, Spec)> {
 
 /// Output and gradient bits of one call (deterministic backward, upstream gradient from the
 /// inputs' seed).
-fn call_bits<B: FlashAttentionBackend + AutodiffBackend>(
-    device: &B::Device,
-    inputs: &Inputs,
-    spec: Spec,
-) -> [Vec<u64>; 4] {
+fn call_bits(device: &Device, inputs: &Inputs, spec: Spec) -> [Vec<u64>; 4] {
     let p = inputs.problem;
     let upstream = random_normal(p.out_dims().iter().product(), 77, inputs.dtype);
-    let [q, k, v] = inputs.to_device::<B>(device).map(|t| t.require_grad());
+    let [q, k, v] = inputs.to_device(device).map(|t| t.require_grad());
     let options = spec.options(None).with_deterministic(true);
     let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
-    let g = tensor_from_host::<B>(&upstream, p.out_dims(), inputs.dtype, device);
+    let g = tensor_from_host(&upstream, p.out_dims(), inputs.dtype, device);
     let got = to_host(out.clone());
     let grads = (out * g).sum().backward();
     let bits = |x: Vec<f64>| x.into_iter().map(f64::to_bits).collect::<Vec<u64>>();
-    let grad = |t: &Tensor<B, 4>| bits(t.grad(&grads).map(to_host).unwrap_or_default());
+    let grad = |t: &Tensor<4>| bits(t.grad(&grads).map(to_host).unwrap_or_default());
     [bits(got), grad(&q), grad(&k), grad(&v)]
 }
 
 /// Many threads calling the fused forward and backward on one device at once, each call on its
 /// own inputs, give the bits the same calls give one at a time. Returns what failed.
-pub(crate) fn concurrent_calls<B: FlashAttentionBackend + AutodiffBackend>(
-    device: &B::Device,
-    dtype: DType,
-    head_dim: usize,
-) -> Vec<String> {
+pub(crate) fn concurrent_calls(device: &Device, dtype: DType, head_dim: usize) -> Vec<String> {
     burn_flash::testing::poison_outputs(true);
     // Bits compared between calls: no dK/dV launch of the process splits meanwhile.
     let _whole = burn_flash::testing::tail_slots(0);
     let cases = concurrent_cases(head_dim, dtype);
     let alone: Vec<_> = cases
         .iter()
-        .map(|(inputs, spec)| call_bits::<B>(device, inputs, *spec))
+        .map(|(inputs, spec)| call_bits(device, inputs, *spec))
         .collect();
     let threads = 2 * cases.len();
     let failures: Vec<String> = std::thread::scope(|scope| {
@@ -335,7 +326,7 @@ pub(crate) fn concurrent_calls<B: FlashAttentionBackend + AutodiffBackend>(
                     for round in 0..3 {
                         let i = (t + round) % cases.len();
                         let (inputs, spec) = &cases[i];
-                        if call_bits::<B>(device, inputs, *spec) != alone[i] {
+                        if call_bits(device, inputs, *spec) != alone[i] {
                             failures.push(format!(
                                 "thread {t} round {round}: {} {spec} differs from the call alone",
                                 inputs.problem
@@ -363,12 +354,13 @@ pub(crate) fn concurrent_calls<B: FlashAttentionBackend + AutodiffBackend>(
 
 mod wgpu {
     use super::*;
-    use burn::backend::wgpu::WgpuDevice;
-    use burn::backend::{Autodiff, Wgpu};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
-    type B = Autodiff<Wgpu>;
+    /// The autodiff wgpu device the checks run on.
+    fn device() -> Device {
+        Device::wgpu(Default::default()).autodiff()
+    }
 
     /// One random call: sizes (grouped heads, lengths 1 to 80 either side, head dims up to 64,
     /// sometimes a different value dim), mask (causal, one- or two-sided windows), softcap and
@@ -436,7 +428,7 @@ mod wgpu {
             (Problem::cross(1, 2, 40, 70, 32), false),
             (Problem::cross(2, 2, 70, 40, 64).grouped(1), true),
         ];
-        let failures = extreme_logits::<B>(&WgpuDevice::default(), DType::F32, &cases);
+        let failures = extreme_logits(&device(), DType::F32, &cases);
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 
@@ -444,28 +436,29 @@ mod wgpu {
     /// are not required to show it; everything else is.
     #[test]
     fn non_finite_inputs_wgpu() {
-        let failures = non_finite_inputs::<B>(&WgpuDevice::default(), DType::F32, 32, false);
+        let failures = non_finite_inputs(&device(), DType::F32, 32, false);
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 
     #[test]
     fn concurrent_calls_wgpu() {
-        let failures = concurrent_calls::<B>(&WgpuDevice::default(), DType::F32, 32);
+        let failures = concurrent_calls(&device(), DType::F32, 32);
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 }
 
+/// The tensor-core tile on an autodiff CUDA device in bf16 (Burn 0.21: `Autodiff<Cuda<bf16>>`).
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
-    use crate::common::cuda::cuda_device;
-    use burn::backend::{Autodiff, Cuda};
     use burn::tensor::Distribution;
-    use burn::tensor::backend::Backend;
     use burn_flash::{AttentionMask, flash_attention_masked};
     use common::{reference_row_keys, unfused_row_keys, unit_roundoff};
 
-    type B = Autodiff<Cuda<half::bf16>>;
+    /// The autodiff CUDA device, or `None` when the test skips (see `common::cuda`).
+    fn cuda_device(test: &str) -> Option<Device> {
+        crate::common::cuda::cuda_device(test).map(Device::autodiff)
+    }
 
     fn assert_none(failures: Vec<String>) {
         assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -481,7 +474,7 @@ mod cuda {
             (Problem::cross(1, 2, 100, 180, 128), true),
             (Problem::cross(2, 4, 90, 130, 64).grouped(2), true),
         ];
-        assert_none(extreme_logits::<B>(&device, DType::BF16, &cases));
+        assert_none(extreme_logits(&device, DType::BF16, &cases));
     }
 
     #[test]
@@ -489,8 +482,8 @@ mod cuda {
         let Some(device) = cuda_device("non_finite_inputs_cuda") else {
             return;
         };
-        let mut failures = non_finite_inputs::<B>(&device, DType::BF16, 64, true);
-        failures.extend(non_finite_inputs::<B>(&device, DType::BF16, 128, true));
+        let mut failures = non_finite_inputs(&device, DType::BF16, 64, true);
+        failures.extend(non_finite_inputs(&device, DType::BF16, 128, true));
         assert_none(failures);
     }
 
@@ -499,7 +492,7 @@ mod cuda {
         let Some(device) = cuda_device("concurrent_calls_cuda") else {
             return;
         };
-        assert_none(concurrent_calls::<B>(&device, DType::BF16, 64));
+        assert_none(concurrent_calls(&device, DType::BF16, 64));
     }
 
     /// The scores' gradient `dS_j = P_j (dP_j − D)` of one query row in f64 over the keys
@@ -640,10 +633,10 @@ mod cuda {
         let mut failures = Vec::new();
         for causal in [false, true] {
             let started = std::time::Instant::now();
-            let [q, k, v] = inputs.to_device::<B>(&device).map(|t| t.require_grad());
+            let [q, k, v] = inputs.to_device(&device).map(|t| t.require_grad());
             let options = FlashAttentionOptions::new().with_causal(causal);
             let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
-            let g = tensor_from_host::<B>(&upstream, problem.out_dims(), DType::BF16, &device);
+            let g = tensor_from_host(&upstream, problem.out_dims(), DType::BF16, &device);
             let got = to_host(out.clone());
             let grads = (out * g).sum().backward();
             let [dq, dk, dv] =
@@ -677,9 +670,9 @@ mod cuda {
         let (b, h, n, d) = (4, 130, 1 << 15, 128);
         assert!(b * h * n * d > 1 << 31);
         let started = std::time::Instant::now();
-        B::seed(&device, 2031);
+        device.seed(2031);
         let random = || {
-            Tensor::<B, 4>::random(
+            Tensor::<4>::random(
                 [b, h, n, d],
                 Distribution::Normal(0.0, 1.0),
                 (&device, DType::BF16),
@@ -695,12 +688,11 @@ mod cuda {
         );
         let out_detached = out.clone().detach();
         let grads = (out * g.clone()).sum().backward();
-        let [dq, dk, dv] =
-            [&q, &k, &v].map(|t| Tensor::<B, 4>::from_inner(t.grad(&grads).unwrap()));
+        let [dq, dk, dv] = [&q, &k, &v].map(|t| t.grad(&grads).unwrap());
         let mut failures = Vec::new();
         for (bi, hi) in [(0, 0), (b - 1, h - 1)] {
-            let slab = |t: &Tensor<B, 4>| t.clone().slice([bi..bi + 1, hi..hi + 1]);
-            let host32 = |t: &Tensor<B, 4>| {
+            let slab = |t: &Tensor<4>| t.clone().slice([bi..bi + 1, hi..hi + 1]);
+            let host32 = |t: &Tensor<4>| {
                 to_host(slab(t))
                     .into_iter()
                     .map(|x| x as f32)
@@ -739,9 +731,9 @@ mod cuda {
         let (h, n, d) = (3, 1 << 15, 64);
         assert!(h * n * n > 1 << 31 && h * n * d < 1 << 31);
         let started = std::time::Instant::now();
-        B::seed(&device, 2032);
+        device.seed(2032);
         let random = |dims: [usize; 4]| {
-            Tensor::<B, 4>::random(dims, Distribution::Normal(0.0, 1.0), (&device, DType::BF16))
+            Tensor::<4>::random(dims, Distribution::Normal(0.0, 1.0), (&device, DType::BF16))
         };
         let (q, k, v, g) = (
             random([1, h, n, d]),
@@ -751,7 +743,7 @@ mod cuda {
         );
         let bias = random([1, h, n, n]).require_grad();
         // About 10 % of the pairs hidden.
-        let mask = Tensor::<B, 4>::random(
+        let mask = Tensor::<4>::random(
             [1, h, n, n],
             Distribution::Uniform(0.0, 1.0),
             (&device, DType::BF16),
@@ -766,18 +758,18 @@ mod cuda {
             FlashAttentionOptions::default(),
         );
         let grads = (out.clone() * g.clone()).sum().backward();
-        let dbias = Tensor::<B, 4>::from_inner(bias.grad(&grads).unwrap());
+        let dbias = bias.grad(&grads).unwrap();
         let scale = 1.0 / (d as f64).sqrt();
         let mut failures = Vec::new();
         for hi in [h - 1, 0] {
-            let head = |t: &Tensor<B, 4>| {
+            let head = |t: &Tensor<4>| {
                 let values = to_host(t.clone().slice([0..1, hi..hi + 1]));
                 values.into_iter().map(|x| x as f32).collect::<Vec<f32>>()
             };
             let (hq, hk, hv, hg) = (head(&q), head(&k), head(&v), head(&g));
             let (k64, v64) = (widen(&hk), widen(&hv));
             for i in [n - 1, n / 2 + 17, 0] {
-                let row = |t: Tensor<B, 4>| t.slice([0..1, hi..hi + 1, i..i + 1]);
+                let row = |t: Tensor<4>| t.slice([0..1, hi..hi + 1, i..i + 1]);
                 let hidden: Vec<bool> = (mask.clone().slice([0..1, hi..hi + 1, i..i + 1]))
                     .into_data()
                     .iter::<bool>()
@@ -891,13 +883,13 @@ mod cuda {
             let (rq, rk, rv) =
                 reference_grads(&problem, &q64, &k64, &v64, &widen(&upstream), spec, None);
             for deterministic in [true, false] {
-                let [q, k, v] = inputs.to_device::<B>(&device).map(|t| t.require_grad());
+                let [q, k, v] = inputs.to_device(&device).map(|t| t.require_grad());
                 let options = spec.options(None).with_deterministic(deterministic);
                 let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
-                let g = tensor_from_host::<B>(&upstream, problem.out_dims(), DType::BF16, &device);
+                let g = tensor_from_host(&upstream, problem.out_dims(), DType::BF16, &device);
                 let got = to_host(out.clone());
                 let grads = (out * g).sum().backward();
-                let grad = |t: &Tensor<B, 4>| t.grad(&grads).map(to_host).unwrap_or_default();
+                let grad = |t: &Tensor<4>| t.grad(&grads).map(to_host).unwrap_or_default();
                 let label = format!("{problem} {spec} deterministic {deterministic}");
                 for (name, got, reference, row) in [
                     ("output", got, &reference, problem.value_dim),

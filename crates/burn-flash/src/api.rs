@@ -4,14 +4,16 @@ use core::fmt;
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 
+use burn::backend::Dispatch;
 use burn::tensor::module::attention_fallback;
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use crate::backend::{FlashAttentionBackend, FlashAttentionProblem, ScoreInputs};
 use crate::error::FlashAttentionError;
 use crate::kernel::TilePath;
 use crate::options::FlashAttentionOptions;
+use crate::support::flash_attention_support;
 
 /// The path an attention call takes, as decided by [`flash_attention_plan`].
 ///
@@ -71,19 +73,19 @@ impl fmt::Display for FlashAttentionPlan {
 ///
 /// ```
 /// use burn::tensor::Tensor;
-/// use burn_flash::{flash_attention_plan, FlashAttentionBackend, FlashAttentionOptions};
+/// use burn_flash::{flash_attention_plan, FlashAttentionOptions};
 ///
-/// fn report<B: FlashAttentionBackend>(q: &Tensor<B, 4>, k: &Tensor<B, 4>, v: &Tensor<B, 4>) {
+/// fn report(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>) {
 ///     match flash_attention_plan(q, k, v, FlashAttentionOptions::causal()) {
 ///         Ok(plan) => println!("attention runs as: {plan}"),
 ///         Err(error) => println!("attention refused: {error}"),
 ///     }
 /// }
 /// ```
-pub fn flash_attention_plan<B: FlashAttentionBackend>(
-    q: &Tensor<B, 4>,
-    k: &Tensor<B, 4>,
-    v: &Tensor<B, 4>,
+pub fn flash_attention_plan(
+    q: &Tensor<4>,
+    k: &Tensor<4>,
+    v: &Tensor<4>,
     options: FlashAttentionOptions,
 ) -> Result<FlashAttentionPlan, FlashAttentionError> {
     plan(q, k, v, options).map(|plan| plan.route)
@@ -111,24 +113,23 @@ pub fn flash_attention_plan<B: FlashAttentionBackend>(
 /// # Example
 ///
 /// ```no_run
-/// use burn::backend::Wgpu;
-/// use burn::tensor::{Distribution, Tensor};
+/// use burn::tensor::{Device, Distribution, Tensor};
 /// use burn_flash::{flash_attention, FlashAttentionOptions};
 ///
-/// let device = Default::default();
-/// let q = Tensor::<Wgpu, 4>::random([2, 8, 128, 64], Distribution::Normal(0.0, 1.0), &device);
-/// let k = Tensor::<Wgpu, 4>::random([2, 8, 128, 64], Distribution::Normal(0.0, 1.0), &device);
-/// let v = Tensor::<Wgpu, 4>::random([2, 8, 128, 64], Distribution::Normal(0.0, 1.0), &device);
+/// let device = Device::wgpu(Default::default());
+/// let q = Tensor::<4>::random([2, 8, 128, 64], Distribution::Normal(0.0, 1.0), &device);
+/// let k = Tensor::<4>::random([2, 8, 128, 64], Distribution::Normal(0.0, 1.0), &device);
+/// let v = Tensor::<4>::random([2, 8, 128, 64], Distribution::Normal(0.0, 1.0), &device);
 /// let out = flash_attention(q, k, v, FlashAttentionOptions::causal());
 /// assert_eq!(out.dims(), [2, 8, 128, 64]);
 /// ```
 #[track_caller]
-pub fn flash_attention<B: FlashAttentionBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
+pub fn flash_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
     options: FlashAttentionOptions,
-) -> Tensor<B, 4> {
+) -> Tensor<4> {
     flash_attention_masked(q, k, v, None, None, options)
 }
 
@@ -142,23 +143,74 @@ pub fn flash_attention<B: FlashAttentionBackend>(
 ///
 /// ```
 /// use burn::tensor::Tensor;
-/// use burn_flash::{try_flash_attention, FlashAttentionBackend, FlashAttentionError, FlashAttentionOptions};
+/// use burn_flash::{try_flash_attention, FlashAttentionError, FlashAttentionOptions};
 ///
-/// fn attend<B: FlashAttentionBackend>(
-///     q: Tensor<B, 4>,
-///     k: Tensor<B, 4>,
-///     v: Tensor<B, 4>,
-/// ) -> Result<Tensor<B, 4>, FlashAttentionError> {
+/// fn attend(
+///     q: Tensor<4>,
+///     k: Tensor<4>,
+///     v: Tensor<4>,
+/// ) -> Result<Tensor<4>, FlashAttentionError> {
 ///     try_flash_attention(q, k, v, FlashAttentionOptions::new().with_scale(0.1))
 /// }
 /// ```
-pub fn try_flash_attention<B: FlashAttentionBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
+pub fn try_flash_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
     options: FlashAttentionOptions,
-) -> Result<Tensor<B, 4>, FlashAttentionError> {
+) -> Result<Tensor<4>, FlashAttentionError> {
     try_flash_attention_masked(q, k, v, None, None, options)
+}
+
+/// The fused forward's output and the log-sum-exp of each query row, `[batch, heads, seq_q]` in
+/// f32: the natural log of `Σ_j exp(scale · q_i·k_j)` over the keys the row sees, `-inf` for a
+/// row that sees none. What the fused backward recomputes the probabilities from; useful to
+/// combine partial attentions (split keys, ring attention) by their log-sum-exp.
+///
+/// # Panics
+///
+/// On the inputs [`try_flash_attention`] refuses, and where the fused kernel does not run them
+/// (when [`flash_attention_plan`] is not [`FlashAttentionPlan::Fused`]).
+///
+/// # Example
+///
+/// ```no_run
+/// use burn::tensor::{Device, Distribution, Tensor};
+/// use burn_flash::{flash_attention_with_lse, FlashAttentionOptions};
+///
+/// let device = Device::wgpu(Default::default());
+/// let [q, k, v] = [0, 1, 2]
+///     .map(|_| Tensor::<4>::random([1, 4, 64, 32], Distribution::Normal(0.0, 1.0), &device));
+/// let (out, lse) = flash_attention_with_lse(q, k, v, FlashAttentionOptions::causal());
+/// assert_eq!(lse.dims(), [1, 4, 64]);
+/// ```
+#[track_caller]
+pub fn flash_attention_with_lse(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    options: FlashAttentionOptions,
+) -> (Tensor<4>, Tensor<3>) {
+    let (plan, _, options) = match checked(&q, &k, &v, None, None, options) {
+        Ok(checked) => checked,
+        Err(error) => panic!("{error}"),
+    };
+    assert!(
+        plan.route.is_fused(),
+        "flash_attention_with_lse: the fused kernel does not run these inputs: {}",
+        plan.route
+    );
+    let forward = <Dispatch as FlashAttentionBackend>::flash_attention_forward(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        ScoreInputs::Neither,
+        options,
+    );
+    (
+        Tensor::from_dispatch(forward.output),
+        Tensor::from_dispatch(forward.lse),
+    )
 }
 
 /// Which (query, key) pairs a boolean mask hides: `true` hides the pair, as in Burn's
@@ -168,31 +220,31 @@ pub fn try_flash_attention<B: FlashAttentionBackend>(
 /// # Example
 ///
 /// ```
-/// use burn::tensor::{Bool, Tensor, TensorData};
-/// use burn_flash::{AttentionMask, FlashAttentionBackend};
+/// use burn::tensor::{Bool, Device, Tensor, TensorData};
+/// use burn_flash::AttentionMask;
 ///
 /// // Sequences of these lengths padded to `seq_k` keys: the keys past each length are padding.
-/// fn padding<B: FlashAttentionBackend>(
+/// fn padding(
 ///     lengths: &[usize],
 ///     seq_k: usize,
-///     device: &B::Device,
-/// ) -> AttentionMask<B> {
+///     device: &Device,
+/// ) -> AttentionMask {
 ///     let hidden: Vec<bool> = lengths
 ///         .iter()
 ///         .flat_map(|&len| (0..seq_k).map(move |key| key >= len))
 ///         .collect();
 ///     let data = TensorData::new(hidden, [lengths.len(), seq_k]);
-///     AttentionMask::KeyPadding(Tensor::<B, 2, Bool>::from_data(data, device))
+///     AttentionMask::KeyPadding(Tensor::<2, Bool>::from_data(data, device))
 /// }
 /// ```
 #[derive(Clone, Debug)]
-pub enum AttentionMask<B: FlashAttentionBackend> {
+pub enum AttentionMask {
     /// `[batch, seq_k]`: `true` marks the keys (padding) that no query of that sequence sees.
-    KeyPadding(Tensor<B, 2, Bool>),
+    KeyPadding(Tensor<2, Bool>),
     /// `[batch|1, heads|1, seq_q|1, seq_k]`: `true` hides the pair; a dim of 1 broadcasts (the
     /// same mask for every batch, head or query). Burn's full `[batch, heads, seq_q, seq_k]` mask
     /// is the unbroadcast case.
-    Full(Tensor<B, 4, Bool>),
+    Full(Tensor<4, Bool>),
 }
 
 /// [`flash_attention`] with a boolean mask and an additive bias, as Burn's
@@ -215,21 +267,20 @@ pub enum AttentionMask<B: FlashAttentionBackend> {
 /// # Example
 ///
 /// ```no_run
-/// use burn::backend::Wgpu;
-/// use burn::tensor::{Bool, Distribution, Tensor};
+/// use burn::tensor::{Bool, Device, Distribution, Int, Tensor};
 /// use burn_flash::{flash_attention_masked, AttentionMask, FlashAttentionOptions};
 ///
-/// let device = Default::default();
+/// let device = Device::wgpu(Default::default());
 /// let [b, h, n, d] = [2, 8, 128, 64];
-/// let q = Tensor::<Wgpu, 4>::random([b, h, n, d], Distribution::Normal(0.0, 1.0), &device);
-/// let k = Tensor::<Wgpu, 4>::random([b, h, n, d], Distribution::Normal(0.0, 1.0), &device);
-/// let v = Tensor::<Wgpu, 4>::random([b, h, n, d], Distribution::Normal(0.0, 1.0), &device);
+/// let q = Tensor::<4>::random([b, h, n, d], Distribution::Normal(0.0, 1.0), &device);
+/// let k = Tensor::<4>::random([b, h, n, d], Distribution::Normal(0.0, 1.0), &device);
+/// let v = Tensor::<4>::random([b, h, n, d], Distribution::Normal(0.0, 1.0), &device);
 /// // The last 28 keys of every sequence are padding; one bias per head and pair.
-/// let padding = Tensor::<Wgpu, 1, _>::arange(0..n as i64, &device)
+/// let padding = Tensor::<1, Int>::arange(0..n as i64, &device)
 ///     .greater_equal_elem(100)
 ///     .unsqueeze::<2>()
 ///     .repeat_dim(0, b);
-/// let bias = Tensor::<Wgpu, 4>::random([1, h, n, n], Distribution::Normal(0.0, 1.0), &device);
+/// let bias = Tensor::<4>::random([1, h, n, n], Distribution::Normal(0.0, 1.0), &device);
 /// let out = flash_attention_masked(
 ///     q,
 ///     k,
@@ -241,14 +292,14 @@ pub enum AttentionMask<B: FlashAttentionBackend> {
 /// assert_eq!(out.dims(), [b, h, n, d]);
 /// ```
 #[track_caller]
-pub fn flash_attention_masked<B: FlashAttentionBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    mask: Option<AttentionMask<B>>,
-    bias: Option<Tensor<B, 4>>,
+pub fn flash_attention_masked(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Option<AttentionMask>,
+    bias: Option<Tensor<4>>,
     options: FlashAttentionOptions,
-) -> Tensor<B, 4> {
+) -> Tensor<4> {
     match try_flash_attention_masked(q, k, v, mask, bias, options) {
         Ok(output) => output,
         Err(error) => panic!("{error}"),
@@ -264,26 +315,26 @@ pub fn flash_attention_masked<B: FlashAttentionBackend>(
 /// ```
 /// use burn::tensor::{Bool, Tensor};
 /// use burn_flash::{
-///     try_flash_attention_masked, AttentionMask, FlashAttentionBackend, FlashAttentionError,
+///     try_flash_attention_masked, AttentionMask, FlashAttentionError,
 ///     FlashAttentionOptions,
 /// };
 ///
-/// fn padded<B: FlashAttentionBackend>(
-///     x: Tensor<B, 4>,
-///     padding: Tensor<B, 2, Bool>,
-/// ) -> Result<Tensor<B, 4>, FlashAttentionError> {
+/// fn padded(
+///     x: Tensor<4>,
+///     padding: Tensor<2, Bool>,
+/// ) -> Result<Tensor<4>, FlashAttentionError> {
 ///     let mask = Some(AttentionMask::KeyPadding(padding));
 ///     try_flash_attention_masked(x.clone(), x.clone(), x, mask, None, FlashAttentionOptions::new())
 /// }
 /// ```
-pub fn try_flash_attention_masked<B: FlashAttentionBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    mask: Option<AttentionMask<B>>,
-    bias: Option<Tensor<B, 4>>,
+pub fn try_flash_attention_masked(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Option<AttentionMask>,
+    bias: Option<Tensor<4>>,
     options: FlashAttentionOptions,
-) -> Result<Tensor<B, 4>, FlashAttentionError> {
+) -> Result<Tensor<4>, FlashAttentionError> {
     let (
         Plan {
             problem: p, route, ..
@@ -308,18 +359,18 @@ pub fn try_flash_attention_masked<B: FlashAttentionBackend>(
 
     Ok(match route {
         FlashAttentionPlan::Fused(_) => {
-            let inputs = ScoreInputs {
-                mask: mask.map(Tensor::into_primitive),
-                bias: bias.map(|bias| bias.into_primitive().tensor()),
-            };
-            let forward = B::flash_attention_forward(
-                q.into_primitive().tensor(),
-                k.into_primitive().tensor(),
-                v.into_primitive().tensor(),
+            let inputs = ScoreInputs::new(
+                mask.map(Tensor::into_dispatch),
+                bias.map(Tensor::into_dispatch),
+            );
+            let forward = <Dispatch as FlashAttentionBackend>::flash_attention_forward(
+                q.into_dispatch(),
+                k.into_dispatch(),
+                v.into_dispatch(),
                 inputs,
                 options,
             );
-            Tensor::from_primitive(TensorPrimitive::Float(forward.output))
+            Tensor::from_dispatch(forward.output)
         }
         FlashAttentionPlan::Fallback(reason) => {
             warn_once(&reason);
@@ -331,11 +382,11 @@ pub fn try_flash_attention_masked<B: FlashAttentionBackend>(
 
 /// The mask as the kernels take it, `[batch|1, heads|1, seq_q|1, seq_k]`, once its shape and
 /// device are checked.
-fn validate_mask<B: FlashAttentionBackend>(
-    mask: AttentionMask<B>,
+fn validate_mask(
+    mask: AttentionMask,
     p: &FlashAttentionProblem,
-    device: &Device<B>,
-) -> Result<Tensor<B, 4, Bool>, FlashAttentionError> {
+    device: &Device,
+) -> Result<Tensor<4, Bool>, FlashAttentionError> {
     let mask_device = match &mask {
         AttentionMask::KeyPadding(mask) => mask.device(),
         AttentionMask::Full(mask) => mask.device(),
@@ -372,10 +423,10 @@ fn validate_mask<B: FlashAttentionBackend>(
 }
 
 /// Check the bias's shape, dtype and device.
-fn validate_bias<B: FlashAttentionBackend>(
-    bias: &Tensor<B, 4>,
+fn validate_bias(
+    bias: &Tensor<4>,
     p: &FlashAttentionProblem,
-    device: &Device<B>,
+    device: &Device,
 ) -> Result<(), FlashAttentionError> {
     let bias_device = bias.device();
     if &bias_device != device {
@@ -424,17 +475,17 @@ fn scores_shape(p: &FlashAttentionProblem) -> String {
 /// own `-inf`) is joined into one mask and the bias is zeroed there: Burn's unfused backward
 /// otherwise multiplies an overflowed gradient by the 0 probability of a row that sees no key
 /// and returns NaN for the bias there, where the gradient is 0.
-fn fallback<B: FlashAttentionBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    mask: Option<Tensor<B, 4, Bool>>,
-    bias: Option<Tensor<B, 4>>,
+fn fallback(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Option<Tensor<4, Bool>>,
+    bias: Option<Tensor<4>>,
     mut options: FlashAttentionOptions,
-    op: impl BurnAttention<B>,
-) -> Tensor<B, 4> {
+    op: impl BurnAttention,
+) -> Tensor<4> {
     let ([batch, heads, seq_q, _], [_, kv_heads, seq_k, _]) = (q.dims(), k.dims());
-    let expand = |t: Tensor<B, 4>| {
+    let expand = |t: Tensor<4>| {
         if kv_heads == heads {
             return t;
         }
@@ -445,7 +496,7 @@ fn fallback<B: FlashAttentionBackend>(
     };
     let scores = [batch, heads, seq_q, seq_k];
     let bias = if options.alibi {
-        let alibi = alibi_bias::<B>(heads, seq_q, seq_k, q.dtype(), &q.device()).expand(scores);
+        let alibi = alibi_bias(heads, seq_q, seq_k, q.dtype(), &q.device()).expand(scores);
         Some(bias.map_or(alibi.clone(), |bias| bias.expand(scores) + alibi))
     } else {
         bias
@@ -456,12 +507,12 @@ fn fallback<B: FlashAttentionBackend>(
         let hidden: Vec<bool> = (0..seq_q * seq_k)
             .map(|at| !options.sees(at / seq_k, at % seq_k, seq_q, seq_k))
             .collect();
-        Tensor::<B, 2, Bool>::from_data(TensorData::new(hidden, [seq_q, seq_k]), &q.device())
+        Tensor::<2, Bool>::from_data(TensorData::new(hidden, [seq_q, seq_k]), &q.device())
             .unsqueeze::<4>()
             .expand(scores)
     });
     options.causal &= !biased;
-    let join = |a: Option<Tensor<B, 4, Bool>>, b: Tensor<B, 4, Bool>| match a {
+    let join = |a: Option<Tensor<4, Bool>>, b: Tensor<4, Bool>| match a {
         Some(a) => a.bool_or(b),
         None => b,
     };
@@ -482,20 +533,20 @@ fn fallback<B: FlashAttentionBackend>(
 
 /// ALiBi's bias `[1, heads, seq_q, seq_k]`, `−slope_h · |j − (i + seq_k − seq_q)|`, in `dtype`,
 /// formed on the device from the slopes and the key and diagonal positions.
-fn alibi_bias<B: FlashAttentionBackend>(
+fn alibi_bias(
     heads: usize,
     seq_q: usize,
     seq_k: usize,
     dtype: DType,
-    device: &Device<B>,
-) -> Tensor<B, 4> {
+    device: &Device,
+) -> Tensor<4> {
     let slopes: Vec<f32> = crate::options::alibi_slopes(heads)
         .into_iter()
         .map(|slope| -slope as f32)
         .collect();
-    let slopes = Tensor::<B, 1>::from_data(TensorData::new(slopes, [heads]), (device, DType::F32));
-    let keys = Tensor::<B, 1, Int>::arange(0..seq_k as i64, device).float();
-    let diagonals = Tensor::<B, 1, Int>::arange(0..seq_q as i64, device)
+    let slopes = Tensor::<1>::from_data(TensorData::new(slopes, [heads]), (device, DType::F32));
+    let keys = Tensor::<1, Int>::arange(0..seq_k as i64, device).float();
+    let diagonals = Tensor::<1, Int>::arange(0..seq_q as i64, device)
         .float()
         .add_scalar(seq_k as f64 - seq_q as f64);
     let distance = (keys.unsqueeze::<2>() - diagonals.unsqueeze_dim::<2>(1)).abs();
@@ -504,27 +555,27 @@ fn alibi_bias<B: FlashAttentionBackend>(
 
 /// An attention function with the signature of Burn's `module::attention` and
 /// `module::attention_fallback`.
-pub(crate) trait BurnAttention<B: FlashAttentionBackend>:
+pub(crate) trait BurnAttention:
     FnOnce(
-    Tensor<B, 4>,
-    Tensor<B, 4>,
-    Tensor<B, 4>,
-    Option<Tensor<B, 4, Bool>>,
-    Option<Tensor<B, 4>>,
+    Tensor<4>,
+    Tensor<4>,
+    Tensor<4>,
+    Option<Tensor<4, Bool>>,
+    Option<Tensor<4>>,
     AttentionModuleOptions,
-) -> Tensor<B, 4>
+) -> Tensor<4>
 {
 }
 
-impl<B: FlashAttentionBackend, F> BurnAttention<B> for F where
+impl<F> BurnAttention for F where
     F: FnOnce(
-        Tensor<B, 4>,
-        Tensor<B, 4>,
-        Tensor<B, 4>,
-        Option<Tensor<B, 4, Bool>>,
-        Option<Tensor<B, 4>>,
+        Tensor<4>,
+        Tensor<4>,
+        Tensor<4>,
+        Option<Tensor<4, Bool>>,
+        Option<Tensor<4>>,
         AttentionModuleOptions,
-    ) -> Tensor<B, 4>
+    ) -> Tensor<4>
 {
 }
 
@@ -536,15 +587,15 @@ impl<B: FlashAttentionBackend, F> BurnAttention<B> for F where
 ///
 /// On the inputs [`try_flash_attention_masked`] refuses.
 #[track_caller]
-pub(crate) fn burn_attention<B: FlashAttentionBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    mask: Option<AttentionMask<B>>,
-    bias: Option<Tensor<B, 4>>,
+pub(crate) fn burn_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Option<AttentionMask>,
+    bias: Option<Tensor<4>>,
     options: FlashAttentionOptions,
-    op: impl BurnAttention<B>,
-) -> Tensor<B, 4> {
+    op: impl BurnAttention,
+) -> Tensor<4> {
     match checked(&q, &k, &v, mask, bias.as_ref(), options) {
         Ok((_, mask, options)) => fallback(q, k, v, mask, bias, options, op),
         Err(error) => panic!("{error}"),
@@ -554,14 +605,14 @@ pub(crate) fn burn_attention<B: FlashAttentionBackend>(
 /// A call's plan once every input is checked, the mask as the kernels take it, and the options
 /// with the resolved scale.
 #[allow(clippy::type_complexity)]
-fn checked<B: FlashAttentionBackend>(
-    q: &Tensor<B, 4>,
-    k: &Tensor<B, 4>,
-    v: &Tensor<B, 4>,
-    mask: Option<AttentionMask<B>>,
-    bias: Option<&Tensor<B, 4>>,
+fn checked(
+    q: &Tensor<4>,
+    k: &Tensor<4>,
+    v: &Tensor<4>,
+    mask: Option<AttentionMask>,
+    bias: Option<&Tensor<4>>,
     options: FlashAttentionOptions,
-) -> Result<(Plan, Option<Tensor<B, 4, Bool>>, FlashAttentionOptions), FlashAttentionError> {
+) -> Result<(Plan, Option<Tensor<4, Bool>>, FlashAttentionOptions), FlashAttentionError> {
     let plan = plan(q, k, v, options)?;
     let device = q.device();
     let mask = mask
@@ -581,10 +632,10 @@ struct Plan {
     route: FlashAttentionPlan,
 }
 
-fn plan<B: FlashAttentionBackend>(
-    q: &Tensor<B, 4>,
-    k: &Tensor<B, 4>,
-    v: &Tensor<B, 4>,
+fn plan(
+    q: &Tensor<4>,
+    k: &Tensor<4>,
+    v: &Tensor<4>,
     options: FlashAttentionOptions,
 ) -> Result<Plan, FlashAttentionError> {
     let dtype = validate(q, k, v)?;
@@ -621,7 +672,7 @@ fn plan<B: FlashAttentionBackend>(
         scale = 1.0;
     }
 
-    let route = match B::flash_attention_support(&q.device(), &problem) {
+    let route = match flash_attention_support(&q.device(), &problem) {
         Ok(tile) => FlashAttentionPlan::Fused(tile),
         Err(reason) if options.dropout.is_some_and(|d| d.is_active()) => {
             return Err(FlashAttentionError::DropoutUnsupported(reason));
@@ -642,11 +693,7 @@ fn positive_f32(value: f64) -> bool {
 }
 
 /// The checks the type system leaves: dtypes, devices, shapes. Returns the common dtype.
-fn validate<B: FlashAttentionBackend>(
-    q: &Tensor<B, 4>,
-    k: &Tensor<B, 4>,
-    v: &Tensor<B, 4>,
-) -> Result<DType, FlashAttentionError> {
+fn validate(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>) -> Result<DType, FlashAttentionError> {
     let (qt, kt, vt) = (q.dtype(), k.dtype(), v.dtype());
     if qt != kt || qt != vt {
         return Err(FlashAttentionError::DTypeMismatch {

@@ -1,14 +1,13 @@
 //! The backend extension trait: what a backend implements to run the fused attention.
 
-use burn::tensor::backend::Backend;
-use burn::tensor::ops::{BoolTensor, FloatTensor};
-use burn::tensor::{DType, Device};
+use burn::backend::tensor::{BoolTensor, FloatTensor};
+use burn::backend::{Backend, ExtensionType, backend_extension};
+use burn::tensor::DType;
 
-use crate::kernel::TilePath;
 use crate::options::FlashAttentionOptions;
 
-/// The sizes and dtype of one attention call, as a backend sees them when it decides whether
-/// its fused kernel can run it ([`FlashAttentionBackend::flash_attention_support`]).
+/// The sizes and dtype of one attention call, as the fused kernels see them when they decide
+/// whether they can run it ([`flash_attention_support`](crate::flash_attention_support)).
 ///
 /// `q: [batch, heads, seq_q, head_dim]`, `k: [batch, kv_heads, seq_k, head_dim]`,
 /// `v: [batch, kv_heads, seq_k, value_dim]`, `heads` a multiple of `kv_heads` (grouped-query
@@ -83,71 +82,88 @@ impl FlashAttentionProblem {
 }
 
 /// The per-score inputs of one attention call beside `q`, `k` and `v`, as backend tensors: a
-/// boolean `mask` (`true` hides the (query, key) pair, as in Burn's `attention`) and an additive
-/// `bias` (added to the scaled, softcapped scores), each `[batch|1, heads|1, seq_q|1, seq_k]`, a
-/// dim of 1 broadcasting over it; the bias in the inputs' dtype. `Default` is neither.
+/// boolean mask (`true` hides the (query, key) pair, as in Burn's `attention`) and an additive
+/// bias (added to the scaled, softcapped scores), each `[batch|1, heads|1, seq_q|1, seq_k]`, a
+/// dim of 1 broadcasting over it; the bias in the inputs' dtype.
 ///
 /// [`flash_attention_masked`](crate::flash_attention_masked) validates them and builds this.
 ///
 /// # Example
 ///
 /// ```
-/// use burn::tensor::ops::FloatTensor;
-/// use burn_flash::{FlashAttentionBackend, FlashAttentionOptions, ScoreInputs};
+/// use burn::backend::tensor::{BoolTensor, FloatTensor};
+/// use burn_flash::{FlashAttentionBackend, ScoreInputs};
 ///
-/// fn biased<B: FlashAttentionBackend>(
-///     [q, k, v]: [FloatTensor<B>; 3],
-///     bias: FloatTensor<B>,
-/// ) -> FloatTensor<B> {
-///     let inputs = ScoreInputs { mask: None, bias: Some(bias) };
-///     B::flash_attention_forward(q, k, v, inputs, FlashAttentionOptions::default()).output
+/// fn bias_of<B: FlashAttentionBackend>(inputs: ScoreInputs<B>) -> Option<FloatTensor<B>> {
+///     inputs.into_parts().1
 /// }
 /// ```
-#[derive(Clone, Debug)]
-pub struct ScoreInputs<B: Backend> {
-    /// `[batch|1, heads|1, seq_q|1, seq_k]`, `true` hides the pair.
-    pub mask: Option<BoolTensor<B>>,
-    /// `[batch|1, heads|1, seq_q|1, seq_k]`, added to `scale · q·k` (after the softcap).
-    pub bias: Option<FloatTensor<B>>,
+#[derive(ExtensionType, Clone, Debug)]
+pub enum ScoreInputs<B: Backend> {
+    /// Plain attention.
+    Neither,
+    /// A boolean mask only.
+    Mask(BoolTensor<B>),
+    /// An additive bias only.
+    Bias(FloatTensor<B>),
+    /// A boolean mask and an additive bias.
+    Both(BoolTensor<B>, FloatTensor<B>),
 }
 
-impl<B: Backend> Default for ScoreInputs<B> {
-    fn default() -> Self {
-        Self {
-            mask: None,
-            bias: None,
+impl<B: Backend> ScoreInputs<B> {
+    /// The inputs holding `mask` and `bias`, either of which may be absent.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn::backend::tensor::FloatTensor;
+    /// use burn_flash::{FlashAttentionBackend, ScoreInputs};
+    ///
+    /// fn biased<B: FlashAttentionBackend>(bias: FloatTensor<B>) -> ScoreInputs<B> {
+    ///     ScoreInputs::new(None, Some(bias))
+    /// }
+    /// ```
+    pub fn new(mask: Option<BoolTensor<B>>, bias: Option<FloatTensor<B>>) -> Self {
+        match (mask, bias) {
+            (None, None) => Self::Neither,
+            (Some(mask), None) => Self::Mask(mask),
+            (None, Some(bias)) => Self::Bias(bias),
+            (Some(mask), Some(bias)) => Self::Both(mask, bias),
+        }
+    }
+
+    /// The mask and the bias, either of which may be absent.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::{FlashAttentionBackend, ScoreInputs};
+    ///
+    /// fn plain<B: FlashAttentionBackend>() -> bool {
+    ///     let (mask, bias) = ScoreInputs::<B>::Neither.into_parts();
+    ///     mask.is_none() && bias.is_none()
+    /// }
+    /// ```
+    pub fn into_parts(self) -> (Option<BoolTensor<B>>, Option<FloatTensor<B>>) {
+        match self {
+            Self::Neither => (None, None),
+            Self::Mask(mask) => (Some(mask), None),
+            Self::Bias(bias) => (None, Some(bias)),
+            Self::Both(mask, bias) => (Some(mask), Some(bias)),
+        }
+    }
+
+    /// The bias, if there is one.
+    pub fn bias(&self) -> Option<&FloatTensor<B>> {
+        match self {
+            Self::Bias(bias) | Self::Both(_, bias) => Some(bias),
+            Self::Neither | Self::Mask(_) => None,
         }
     }
 }
 
 /// What the fused forward returns.
-///
-/// # Example
-///
-/// ```
-/// use burn::tensor::backend::Backend;
-/// use burn::tensor::{Tensor, TensorPrimitive};
-/// use burn_flash::{FlashAttentionBackend, FlashAttentionForward, FlashAttentionOptions};
-///
-/// fn forward<B: FlashAttentionBackend>(
-///     q: Tensor<B, 4>,
-///     k: Tensor<B, 4>,
-///     v: Tensor<B, 4>,
-/// ) -> (Tensor<B, 4>, Tensor<B, 3>) {
-///     let FlashAttentionForward { output, lse } = B::flash_attention_forward(
-///         q.into_primitive().tensor(),
-///         k.into_primitive().tensor(),
-///         v.into_primitive().tensor(),
-///         Default::default(),
-///         FlashAttentionOptions::default(),
-///     );
-///     (
-///         Tensor::from_primitive(TensorPrimitive::Float(output)),
-///         Tensor::from_primitive(TensorPrimitive::Float(lse)),
-///     )
-/// }
-/// ```
-#[derive(Clone, Debug)]
+#[derive(ExtensionType, Clone, Debug)]
 pub struct FlashAttentionForward<B: Backend> {
     /// The attention output, `[batch, heads, seq_q, value_dim]`, in the inputs' dtype.
     pub output: FloatTensor<B>,
@@ -157,138 +173,86 @@ pub struct FlashAttentionForward<B: Backend> {
     pub lse: FloatTensor<B>,
 }
 
+/// The bias gradient of a backward: absent unless a bias was given and its gradient asked for.
+#[derive(ExtensionType, Clone, Debug)]
+pub enum BiasGrad<B: Backend> {
+    /// No bias gradient was asked for.
+    Absent,
+    /// The bias's gradient, shaped as the bias.
+    Present(FloatTensor<B>),
+}
+
+impl<B: Backend> BiasGrad<B> {
+    /// The gradient, if there is one.
+    pub fn into_option(self) -> Option<FloatTensor<B>> {
+        match self {
+            Self::Absent => None,
+            Self::Present(grad) => Some(grad),
+        }
+    }
+}
+
 /// The gradients the fused backward returns, each shaped and typed as its input.
-///
-/// # Example
-///
-/// ```
-/// use burn::tensor::ops::{BoolTensor, FloatTensor};
-/// use burn_flash::{FlashAttentionBackend, FlashAttentionGrads, FlashAttentionOptions};
-///
-/// fn value_grad<B: FlashAttentionBackend>(
-///     [q, k, v]: [FloatTensor<B>; 3],
-///     grad_output: FloatTensor<B>,
-/// ) -> FloatTensor<B> {
-///     let options = FlashAttentionOptions::default();
-///     let forward =
-///         B::flash_attention_forward(q.clone(), k.clone(), v.clone(), Default::default(), options);
-///     let grads: FlashAttentionGrads<B> = B::flash_attention_backward(
-///         q, k, v, Default::default(), forward.output, forward.lse, grad_output, options, false,
-///     );
-///     grads.v
-/// }
-/// ```
-#[derive(Clone, Debug)]
+#[derive(ExtensionType, Clone, Debug)]
 pub struct FlashAttentionGrads<B: Backend> {
     /// Gradient of the queries, `[batch, heads, seq_q, head_dim]`.
     pub q: FloatTensor<B>,
-    /// Gradient of the keys, `[batch, heads, seq_k, head_dim]`.
+    /// Gradient of the keys, `[batch, kv_heads, seq_k, head_dim]`.
     pub k: FloatTensor<B>,
-    /// Gradient of the values, `[batch, heads, seq_k, value_dim]`.
+    /// Gradient of the values, `[batch, kv_heads, seq_k, value_dim]`.
     pub v: FloatTensor<B>,
-    /// Gradient of the bias, shaped as the bias, when one was given and its gradient asked
-    /// for.
-    pub bias: Option<FloatTensor<B>>,
+    /// Gradient of the bias, when one was given and its gradient asked for.
+    #[extension_type]
+    pub bias: BiasGrad<B>,
 }
 
 /// A backend that runs the fused FlashAttention kernels.
 ///
-/// Implemented for `burn_cubecl::CubeBackend<R, F, I, BT>` (any CubeCL runtime) and for
-/// `burn_fusion::Fusion<B>` over such a backend, so `burn::backend::Wgpu` and (feature `cuda`)
-/// `burn::backend::Cuda` work as Burn defines them. Most users call
-/// [`flash_attention`](crate::flash_attention), which validates the inputs, asks
-/// [`flash_attention_support`](Self::flash_attention_support) and takes Burn's unfused attention
-/// when the fused kernel cannot run.
+/// Implemented for `burn_cubecl::CubeBackend` (every CubeCL runtime: wgpu, CUDA, …), for
+/// `burn_fusion::Fusion` over it (the backend Burn's `Device::wgpu` and `Device::cuda` run on),
+/// and for `burn_autodiff::Autodiff<B>` over any of these: its forward records one node whose
+/// backward is [`flash_attention_backward`](Self::flash_attention_backward), saving `q`, `k`,
+/// `v`, the output and the log-sum-exp only. Burn's `Dispatch` backend routes a tensor's call to
+/// the implementation of its device.
 ///
-/// `burn::backend::Autodiff<B>` implements it on top of any `B` that does: its forward records
-/// one node whose backward is [`flash_attention_backward`](Self::flash_attention_backward),
-/// saving `q`, `k`, `v`, the output and the log-sum-exp only.
+/// Most users call [`flash_attention`](crate::flash_attention), which validates the inputs, asks
+/// [`flash_attention_support`](crate::flash_attention_support) and takes Burn's unfused
+/// attention when the fused kernel cannot run.
 ///
 /// # Example
 ///
 /// ```
-/// use burn::tensor::{backend::Backend, Tensor};
-/// use burn_flash::{flash_attention, FlashAttentionBackend, FlashAttentionOptions};
+/// use burn::backend::Dispatch;
+/// use burn::tensor::Tensor;
+/// use burn_flash::{FlashAttentionBackend, FlashAttentionOptions, ScoreInputs};
 ///
-/// // Generic model code asks for the trait on top of `Backend`.
-/// fn self_attention<B: FlashAttentionBackend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
-///     flash_attention(x.clone(), x.clone(), x, FlashAttentionOptions::causal())
+/// fn output(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+///     let forward = <Dispatch as FlashAttentionBackend>::flash_attention_forward(
+///         q.into_dispatch(),
+///         k.into_dispatch(),
+///         v.into_dispatch(),
+///         ScoreInputs::Neither,
+///         FlashAttentionOptions::causal(),
+///     );
+///     Tensor::from_dispatch(forward.output)
 /// }
 /// ```
+#[backend_extension(Cube, Autodiff)]
 pub trait FlashAttentionBackend: Backend {
-    /// Whether the fused forward can run this problem on this device, and with which matrix
-    /// tile; `Err` carries the reason it cannot (a dtype, a head dim, a missing device
-    /// feature). Decided up front, from the device's properties, without launching anything.
-    ///
-    /// # Example
-    ///
-    /// ```
-    /// use burn::tensor::{DType, Device};
-    /// use burn_flash::{FlashAttentionBackend, FlashAttentionProblem};
-    ///
-    /// fn fused<B: FlashAttentionBackend>(device: &Device<B>) -> bool {
-    ///     let dims = [1, 8, 1024, 128];
-    ///     let problem = FlashAttentionProblem::new(dims, dims, dims, DType::BF16, true);
-    ///     B::flash_attention_support(device, &problem).is_ok()
-    /// }
-    /// ```
-    fn flash_attention_support(
-        device: &Device<Self>,
-        problem: &FlashAttentionProblem,
-    ) -> Result<TilePath, String>;
-
     /// Run the fused forward.
     ///
     /// Low level: the inputs must be valid (same device and dtype, matching shapes, a finite
     /// positive scale; see [`try_flash_attention_masked`](crate::try_flash_attention_masked)) and
-    /// [`flash_attention_support`](Self::flash_attention_support) must have accepted them; this
+    /// [`flash_attention_support`](crate::flash_attention_support) must have accepted them; this
     /// panics otherwise. The output is `[batch, heads, seq_q, value_dim]` in the inputs' dtype,
     /// the log-sum-exp `[batch, heads, seq_q]` in f32.
-    ///
-    /// # Example
-    ///
-    /// See [`FlashAttentionForward`].
-    ///
-    /// ```
-    /// use burn::tensor::ops::{BoolTensor, FloatTensor};
-    /// use burn_flash::{FlashAttentionBackend, FlashAttentionOptions};
-    ///
-    /// fn output<B: FlashAttentionBackend>(
-    ///     q: FloatTensor<B>,
-    ///     k: FloatTensor<B>,
-    ///     v: FloatTensor<B>,
-    /// ) -> FloatTensor<B> {
-    ///     B::flash_attention_forward(q, k, v, Default::default(), FlashAttentionOptions::causal())
-    ///         .output
-    /// }
-    /// ```
     fn flash_attention_forward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
-        inputs: ScoreInputs<Self>,
+        #[extension_type] inputs: ScoreInputs<Self>,
         options: FlashAttentionOptions,
     ) -> FlashAttentionForward<Self>;
-
-    /// Whether [`flash_attention_backward`](Self::flash_attention_backward) can run this
-    /// problem on this device; `Err` carries the reason.
-    ///
-    /// # Example
-    ///
-    /// ```
-    /// use burn::tensor::{DType, Device};
-    /// use burn_flash::{FlashAttentionBackend, FlashAttentionProblem};
-    ///
-    /// fn trains_fused<B: FlashAttentionBackend>(device: &Device<B>) -> bool {
-    ///     let dims = [1, 8, 512, 64];
-    ///     let problem = FlashAttentionProblem::new(dims, dims, dims, DType::F32, true);
-    ///     B::flash_attention_backward_support(device, &problem).is_ok()
-    /// }
-    /// ```
-    fn flash_attention_backward_support(
-        device: &Device<Self>,
-        problem: &FlashAttentionProblem,
-    ) -> Result<(), String>;
 
     /// Gradients of the fused attention with respect to `q`, `k` and `v` (and the bias when
     /// `bias_grad`), given the forward's `inputs`, `output` and `lse` and the gradient of the
@@ -299,17 +263,13 @@ pub trait FlashAttentionBackend: Backend {
     ///
     /// Low level, like [`flash_attention_forward`](Self::flash_attention_forward): the inputs
     /// must be valid and accepted by
-    /// [`flash_attention_backward_support`](Self::flash_attention_backward_support).
-    ///
-    /// # Example
-    ///
-    /// See [`FlashAttentionGrads`].
+    /// [`flash_attention_backward_support`](crate::flash_attention_backward_support).
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_backward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
-        inputs: ScoreInputs<Self>,
+        #[extension_type] inputs: ScoreInputs<Self>,
         output: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad_output: FloatTensor<Self>,

@@ -5,9 +5,9 @@
 //! `seq_q × seq_k` score matrix, with the same conventions as
 //! `burn::tensor::module::attention`. [`FlashAttentionOptions`] adds to plain attention the
 //! causal mask, sliding windows ([`AttentionWindow`]) and the softcap of Gemma-2; `k` and `v`
-//! may have fewer heads than `q` (grouped-query and multi-query attention), read in place. It runs on the backends that implement
-//! [`FlashAttentionBackend`]: `burn::backend::Wgpu`, `burn::backend::Cuda` (feature `cuda`),
-//! and the bare `burn_cubecl::CubeBackend` under either.
+//! may have fewer heads than `q` (grouped-query and multi-query attention), read in place. It runs
+//! on the devices of Burn's CubeCL backends (`Device::wgpu`, `Device::cuda`, …), with or without
+//! autodiff ([`FlashAttentionBackend`]).
 //!
 //! On CUDA (SM80 and newer) with f16/bf16 inputs the kernel uses the tensor cores; elsewhere a
 //! portable tile of register FMAs ([`TilePath`]). Inputs the kernel cannot run (a head dim or a
@@ -15,20 +15,21 @@
 //! with `log::warn!`; [`flash_attention_plan`] tells which path a call takes. Invalid inputs
 //! (mismatched shapes, devices or dtypes) are refused with a [`FlashAttentionError`].
 //!
-//! Under `burn::backend::Autodiff` the fused forward records one node (saving q, k, v, the
-//! output and its log-sum-exp) whose backward runs the fused backward kernels on the same tile
-//! as the forward, so training never materialises the score matrix either.
+//! On an autodiff device the fused forward records one node (saving q, k, v, the output and its
+//! log-sum-exp) whose backward runs the fused backward kernels on the same tile as the forward,
+//! so training never materialises the score matrix either.
+//!
+//! The kernels and their launches on CubeCL tensors, without Burn, are in [`kernel`].
 //!
 //! # Example
 //!
 //! ```no_run
-//! use burn::backend::Wgpu;
-//! use burn::tensor::{Distribution, Tensor};
+//! use burn::tensor::{Device, Distribution, Tensor};
 //! use burn_flash::{flash_attention, flash_attention_plan, FlashAttentionOptions};
 //!
-//! let device = Default::default();
+//! let device = Device::wgpu(Default::default());
 //! let [q, k, v] = [0, 1, 2].map(|_| {
-//!     Tensor::<Wgpu, 4>::random([4, 16, 1024, 64], Distribution::Normal(0.0, 1.0), &device)
+//!     Tensor::<4>::random([4, 16, 1024, 64], Distribution::Normal(0.0, 1.0), &device)
 //! });
 //! let options = FlashAttentionOptions::causal().with_sliding_window(255);
 //! println!("{}", flash_attention_plan(&q, &k, &v, options).unwrap());
@@ -39,26 +40,28 @@
 mod api;
 mod backend;
 mod backends {
-    mod aliases;
     mod autodiff;
     mod cube;
     mod fusion;
 }
 mod error;
-pub(crate) mod kernel;
+pub mod kernel;
 pub mod nn;
 mod options;
+mod support;
 #[doc(hidden)]
 pub mod testing;
 
 pub use api::{
     AttentionMask, FlashAttentionPlan, flash_attention, flash_attention_masked,
-    flash_attention_plan, try_flash_attention, try_flash_attention_masked,
+    flash_attention_plan, flash_attention_with_lse, try_flash_attention,
+    try_flash_attention_masked,
 };
 pub use backend::{
-    FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
-    ScoreInputs,
+    BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads,
+    FlashAttentionProblem, ScoreInputs,
 };
 pub use error::FlashAttentionError;
 pub use kernel::TilePath;
 pub use options::{AttentionDropout, AttentionWindow, FlashAttentionOptions, alibi_slopes};
+pub use support::{flash_attention_backward_support, flash_attention_support};

@@ -23,10 +23,9 @@ use burn::nn::{DropoutConfig, Linear, LinearConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Bool, Int, Tensor};
+use burn::tensor::{Bool, Device, Int, Tensor};
 
 use crate::api::{AttentionMask, burn_attention, flash_attention_masked};
-use crate::backend::FlashAttentionBackend;
 use crate::options::{AttentionWindow, FlashAttentionOptions};
 
 /// Which implementation computes the attention inside [`FlashMultiHeadAttention`]. All three
@@ -60,7 +59,7 @@ pub enum AttentionKernel {
 /// # Example
 ///
 /// ```no_run
-/// use burn::backend::Wgpu;
+/// use burn::tensor::Device;
 /// use burn_flash::nn::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
 ///
 /// // Mistral-style: 32 query heads over 8 key/value heads, causal, a 4096-token window.
@@ -69,7 +68,7 @@ pub enum AttentionKernel {
 ///     .with_causal(true)
 ///     .with_window_left(Some(4095))
 ///     .with_dropout(0.0);
-/// let attention: FlashMultiHeadAttention<Wgpu> = config.init(&Default::default());
+/// let attention: FlashMultiHeadAttention = config.init(&Device::wgpu(Default::default()));
 /// assert_eq!((attention.d_k, attention.n_kv_heads), (128, 8));
 /// ```
 #[derive(Config, Debug)]
@@ -123,27 +122,26 @@ pub struct FlashMultiHeadAttentionConfig {
 /// # Example
 ///
 /// ```no_run
-/// use burn::backend::Wgpu;
-/// use burn::tensor::{Distribution, Tensor};
+/// use burn::tensor::{Device, Distribution, Tensor};
 /// use burn_flash::nn::FlashMultiHeadAttentionConfig;
 ///
-/// let device = Default::default();
+/// let device = Device::wgpu(Default::default());
 /// let attention = FlashMultiHeadAttentionConfig::new(256, 4)
 ///     .with_causal(true)
-///     .init::<Wgpu>(&device);
-/// let x = Tensor::<Wgpu, 3>::random([2, 128, 256], Distribution::Normal(0.0, 1.0), &device);
+///     .init(&device);
+/// let x = Tensor::<3>::random([2, 128, 256], Distribution::Normal(0.0, 1.0), &device);
 /// let y = attention.forward_self(x); // [2, 128, 256]
 /// ```
 #[derive(Module, Debug)]
-pub struct FlashMultiHeadAttention<B: FlashAttentionBackend> {
+pub struct FlashMultiHeadAttention {
     /// Query projection, `d_model → n_heads · d_k`.
-    pub query: Linear<B>,
+    pub query: Linear,
     /// Key projection, `d_model → n_kv_heads · d_k`.
-    pub key: Linear<B>,
+    pub key: Linear,
     /// Value projection, `d_model → n_kv_heads · d_k`.
-    pub value: Linear<B>,
+    pub value: Linear,
     /// Output projection.
-    pub output: Linear<B>,
+    pub output: Linear,
     /// Dropout probability of the attention probabilities in training.
     pub dropout: f64,
     /// Width of the inputs and outputs.
@@ -156,8 +154,10 @@ pub struct FlashMultiHeadAttention<B: FlashAttentionBackend> {
     pub d_k: usize,
     /// The attention's options: causal mask, window, softcap (scale `1 / sqrt(d_k)`); may be
     /// changed after loading weights.
+    #[module(skip)]
     pub options: FlashAttentionOptions,
     /// Which implementation computes the attention; may be changed after loading weights.
+    #[module(skip)]
     pub kernel: AttentionKernel,
 }
 
@@ -172,13 +172,13 @@ impl FlashMultiHeadAttentionConfig {
     /// # Example
     ///
     /// ```no_run
-    /// use burn::backend::Wgpu;
+    /// use burn::tensor::Device;
     /// use burn_flash::nn::FlashMultiHeadAttentionConfig;
     ///
-    /// let attention = FlashMultiHeadAttentionConfig::new(768, 12).init::<Wgpu>(&Default::default());
+    /// let attention = FlashMultiHeadAttentionConfig::new(768, 12).init(&Device::wgpu(Default::default()));
     /// assert_eq!(attention.n_heads, 12);
     /// ```
-    pub fn init<B: FlashAttentionBackend>(&self, device: &B::Device) -> FlashMultiHeadAttention<B> {
+    pub fn init(&self, device: &Device) -> FlashMultiHeadAttention {
         assert!(
             self.n_heads > 0 && self.d_model.is_multiple_of(self.n_heads),
             "n_heads ({}) must divide d_model ({})",
@@ -224,7 +224,7 @@ impl FlashMultiHeadAttentionConfig {
     }
 }
 
-impl<B: FlashAttentionBackend> FlashMultiHeadAttention<B> {
+impl FlashMultiHeadAttention {
     /// Attention of `query: [batch, seq_q, d_model]` over `key` and `value:
     /// [batch, seq_k, d_model]`; returns `[batch, seq_q, d_model]`.
     ///
@@ -233,22 +233,16 @@ impl<B: FlashAttentionBackend> FlashMultiHeadAttention<B> {
     /// ```
     /// use burn::tensor::Tensor;
     /// use burn_flash::nn::FlashMultiHeadAttention;
-    /// use burn_flash::FlashAttentionBackend;
     ///
-    /// fn cross<B: FlashAttentionBackend>(
-    ///     attention: &FlashMultiHeadAttention<B>,
-    ///     decoder: Tensor<B, 3>,
-    ///     encoder: Tensor<B, 3>,
-    /// ) -> Tensor<B, 3> {
+    /// fn cross(
+    ///     attention: &FlashMultiHeadAttention,
+    ///     decoder: Tensor<3>,
+    ///     encoder: Tensor<3>,
+    /// ) -> Tensor<3> {
     ///     attention.forward(decoder, encoder.clone(), encoder)
     /// }
     /// ```
-    pub fn forward(
-        &self,
-        query: Tensor<B, 3>,
-        key: Tensor<B, 3>,
-        value: Tensor<B, 3>,
-    ) -> Tensor<B, 3> {
+    pub fn forward(&self, query: Tensor<3>, key: Tensor<3>, value: Tensor<3>) -> Tensor<3> {
         self.forward_masked(query, key, value, None, None)
     }
 
@@ -267,26 +261,26 @@ impl<B: FlashAttentionBackend> FlashMultiHeadAttention<B> {
     /// ```
     /// use burn::tensor::{Bool, Tensor};
     /// use burn_flash::nn::FlashMultiHeadAttention;
-    /// use burn_flash::{AttentionMask, FlashAttentionBackend};
+    /// use burn_flash::AttentionMask;
     ///
     /// /// `padding: [batch, seq]`, true on padding tokens.
-    /// fn encode<B: FlashAttentionBackend>(
-    ///     attention: &FlashMultiHeadAttention<B>,
-    ///     x: Tensor<B, 3>,
-    ///     padding: Tensor<B, 2, Bool>,
-    /// ) -> Tensor<B, 3> {
+    /// fn encode(
+    ///     attention: &FlashMultiHeadAttention,
+    ///     x: Tensor<3>,
+    ///     padding: Tensor<2, Bool>,
+    /// ) -> Tensor<3> {
     ///     let mask = Some(AttentionMask::KeyPadding(padding));
     ///     attention.forward_masked(x.clone(), x.clone(), x, mask, None)
     /// }
     /// ```
     pub fn forward_masked(
         &self,
-        query: Tensor<B, 3>,
-        key: Tensor<B, 3>,
-        value: Tensor<B, 3>,
-        mask: Option<AttentionMask<B>>,
-        bias: Option<Tensor<B, 4>>,
-    ) -> Tensor<B, 3> {
+        query: Tensor<3>,
+        key: Tensor<3>,
+        value: Tensor<3>,
+        mask: Option<AttentionMask>,
+        bias: Option<Tensor<4>>,
+    ) -> Tensor<3> {
         let [batch, seq_q, _] = query.dims();
         let q = self.split_heads(self.query.forward(query), self.n_heads);
         let k = self.split_heads(self.key.forward(key), self.n_kv_heads);
@@ -305,13 +299,12 @@ impl<B: FlashAttentionBackend> FlashMultiHeadAttention<B> {
     /// ```
     /// use burn::tensor::Tensor;
     /// use burn_flash::nn::FlashMultiHeadAttention;
-    /// use burn_flash::FlashAttentionBackend;
     ///
-    /// fn block<B: FlashAttentionBackend>(attention: &FlashMultiHeadAttention<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    /// fn block(attention: &FlashMultiHeadAttention, x: Tensor<3>) -> Tensor<3> {
     ///     x.clone() + attention.forward_self(x)
     /// }
     /// ```
-    pub fn forward_self(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    pub fn forward_self(&self, x: Tensor<3>) -> Tensor<3> {
         self.forward(x.clone(), x.clone(), x)
     }
 
@@ -324,16 +317,15 @@ impl<B: FlashAttentionBackend> FlashMultiHeadAttention<B> {
     /// ```
     /// use burn::tensor::Tensor;
     /// use burn_flash::nn::FlashMultiHeadAttention;
-    /// use burn_flash::FlashAttentionBackend;
     ///
-    /// fn heads_only<B: FlashAttentionBackend>(
-    ///     attention: &FlashMultiHeadAttention<B>,
-    ///     qkv: Tensor<B, 4>,
-    /// ) -> Tensor<B, 4> {
+    /// fn heads_only(
+    ///     attention: &FlashMultiHeadAttention,
+    ///     qkv: Tensor<4>,
+    /// ) -> Tensor<4> {
     ///     attention.attend(qkv.clone(), qkv.clone(), qkv)
     /// }
     /// ```
-    pub fn attend(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 4> {
+    pub fn attend(&self, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
         self.attend_masked(q, k, v, None, None)
     }
 
@@ -345,27 +337,26 @@ impl<B: FlashAttentionBackend> FlashMultiHeadAttention<B> {
     /// ```
     /// use burn::tensor::Tensor;
     /// use burn_flash::nn::FlashMultiHeadAttention;
-    /// use burn_flash::FlashAttentionBackend;
     ///
     /// /// `bias: [1, heads, seq, seq]`, e.g. relative positions.
-    /// fn biased<B: FlashAttentionBackend>(
-    ///     attention: &FlashMultiHeadAttention<B>,
-    ///     qkv: Tensor<B, 4>,
-    ///     bias: Tensor<B, 4>,
-    /// ) -> Tensor<B, 4> {
+    /// fn biased(
+    ///     attention: &FlashMultiHeadAttention,
+    ///     qkv: Tensor<4>,
+    ///     bias: Tensor<4>,
+    /// ) -> Tensor<4> {
     ///     attention.attend_masked(qkv.clone(), qkv.clone(), qkv, None, Some(bias))
     /// }
     /// ```
     pub fn attend_masked(
         &self,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        mask: Option<AttentionMask<B>>,
-        bias: Option<Tensor<B, 4>>,
-    ) -> Tensor<B, 4> {
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        mask: Option<AttentionMask>,
+        bias: Option<Tensor<4>>,
+    ) -> Tensor<4> {
         let options = self.options;
-        let dropout = (B::ad_enabled(&q.device()) && self.dropout > 0.0).then_some(self.dropout);
+        let dropout = (q.device().is_autodiff() && self.dropout > 0.0).then_some(self.dropout);
         match (self.kernel, dropout) {
             (AttentionKernel::Flash, None) => flash_attention_masked(q, k, v, mask, bias, options),
             (AttentionKernel::Flash, Some(prob)) => {
@@ -387,7 +378,7 @@ impl<B: FlashAttentionBackend> FlashMultiHeadAttention<B> {
     }
 
     /// `[batch, seq, heads · d_k]` to `[batch, heads, seq, d_k]`.
-    fn split_heads(&self, x: Tensor<B, 3>, heads: usize) -> Tensor<B, 4> {
+    fn split_heads(&self, x: Tensor<3>, heads: usize) -> Tensor<4> {
         let [batch, seq, _] = x.dims();
         x.reshape([batch, seq, heads, self.d_k]).swap_dims(1, 2)
     }
@@ -396,15 +387,15 @@ impl<B: FlashAttentionBackend> FlashMultiHeadAttention<B> {
 /// The unfused attention (`softmax(scale · Q·Kᵀ, capped, masked, biased) · V`) with Burn's
 /// `Dropout` on the probabilities: the non-fused kernels' training path. Rows that see no key
 /// give 0, as in Burn's fallback.
-fn unfused_with_dropout<B: FlashAttentionBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    mask: Option<Tensor<B, 4, Bool>>,
-    bias: Option<Tensor<B, 4>>,
+fn unfused_with_dropout(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Option<Tensor<4, Bool>>,
+    bias: Option<Tensor<4>>,
     options: AttentionModuleOptions,
     prob: f64,
-) -> Tensor<B, 4> {
+) -> Tensor<4> {
     let [_, _, seq_q, head_dim] = q.dims();
     let seq_k = k.dims()[2];
     let scale = options.scale.unwrap_or(1.0 / (head_dim as f64).sqrt());
@@ -415,8 +406,8 @@ fn unfused_with_dropout<B: FlashAttentionBackend>(
     if options.is_causal {
         // Bottom-right aligned: query i sees key j <= i + seq_k - seq_q.
         let device = scores.device();
-        let keys = Tensor::<B, 1, Int>::arange(0..seq_k as i64, &device).unsqueeze::<2>();
-        let diagonals = Tensor::<B, 1, Int>::arange(0..seq_q as i64, &device)
+        let keys = Tensor::<1, Int>::arange(0..seq_k as i64, &device).unsqueeze::<2>();
+        let diagonals = Tensor::<1, Int>::arange(0..seq_q as i64, &device)
             .add_scalar(seq_k as i64 - seq_q as i64)
             .unsqueeze_dim::<2>(1);
         let future = keys.greater(diagonals);

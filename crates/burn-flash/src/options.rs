@@ -1,7 +1,5 @@
 //! The options of one attention call.
 
-use burn::tensor::ops::AttentionModuleOptions;
-
 /// Options of [`flash_attention`](crate::flash_attention): causal masking, sliding window, the
 /// softmax scale, the softcap, ALiBi, dropout, and whether the backward must be deterministic.
 ///
@@ -428,9 +426,9 @@ pub fn alibi_slopes(heads: usize) -> Vec<f64> {
         .collect()
 }
 
-impl From<FlashAttentionOptions> for AttentionModuleOptions {
-    /// The options of Burn's own attention that it shares: scale, causal, softcap. Burn has no
-    /// window, ALiBi or dropout option: a window becomes a mask (see
+impl From<FlashAttentionOptions> for burn::tensor::ops::AttentionModuleOptions {
+    /// The options of Burn's own attention that it shares: scale, causal (aligned bottom-right),
+    /// softcap. Burn has no window, ALiBi or dropout option: a window becomes a mask (see
     /// [`FlashAttentionOptions::sees`]), ALiBi a bias ([`alibi_slopes`]).
     ///
     /// # Example
@@ -443,10 +441,11 @@ impl From<FlashAttentionOptions> for AttentionModuleOptions {
     /// assert!(burn.is_causal && burn.scale.is_none() && burn.softcap.is_none());
     /// ```
     fn from(options: FlashAttentionOptions) -> Self {
-        AttentionModuleOptions {
+        Self {
             scale: options.scale,
             softcap: options.softcap,
             is_causal: options.causal,
+            ..Self::default()
         }
     }
 }

@@ -68,9 +68,13 @@ pub fn split(corpus: &[u8], val_fraction: f64) -> (Vec<u8>, Vec<u8>) {
 /// token later. Row-major `[batch, context]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch {
+    /// The input tokens, `batch × context`.
     pub inputs: Vec<i32>,
+    /// The tokens to predict, each input's successor in the text.
     pub targets: Vec<i32>,
+    /// Rows (sequences).
     pub batch: usize,
+    /// Tokens per row.
     pub context: usize,
 }
 
@@ -106,7 +110,11 @@ pub struct Batches<'a> {
 }
 
 impl<'a> Batches<'a> {
-    /// Panics if the text is not longer than `context`.
+    /// Batches of `batch` windows of `context` tokens of `text`, drawn with `seed`.
+    ///
+    /// # Panics
+    ///
+    /// If the text is not longer than `context`.
     pub fn new(text: &'a [u8], batch: usize, context: usize, seed: u64) -> Self {
         assert!(
             text.len() > context,
@@ -121,6 +129,7 @@ impl<'a> Batches<'a> {
         }
     }
 
+    /// The next `batch` windows.
     pub fn next_batch(&mut self) -> Batch {
         let (mut inputs, mut targets) = (Vec::new(), Vec::new());
         for _ in 0..self.batch {

@@ -7,19 +7,19 @@
 //! ```
 //!
 //! Runs on CUDA when built with the `cuda` feature and a device answers, otherwise on
-//! `burn::backend::Wgpu`. Prints the loss while it trains, then a sample of generated text and a
+//! `Device::wgpu`. Prints the loss while it trains, then a sample of generated text and a
 //! summary line: tokens/s, peak device memory, first and final train and validation losses.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::str::FromStr;
 
-use burn::backend::wgpu::WgpuDevice;
-use burn::backend::{Autodiff, Wgpu};
-use burn::tensor::{DType, Distribution, Tensor};
+use burn::module::Module;
+use burn::tensor::{DType, Device, Distribution, Tensor};
 use burn_flash::nn::AttentionKernel;
-use burn_flash::{FlashAttentionBackend, FlashAttentionOptions, flash_attention_plan};
-use cubecl::Runtime;
+use burn_flash::{FlashAttentionOptions, flash_attention_plan};
+use clap::builder::RangedU64ValueParser;
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, ValueEnum};
 
 use gpt::data;
 use gpt::model::GptConfig;
@@ -30,172 +30,207 @@ use gpt::train::{self, Schedule, Settings};
 const DEFAULT_CORPUS: &[u8] = include_bytes!("../data/devils-dictionary.txt");
 const DEFAULT_NAME: &str = "The Devil's Dictionary (built in)";
 
-const USAGE: &str = "\
-usage: gpt [flags]
-
-data:
-  --data PATH          text file, or directory of text files  [The Devil's Dictionary]
-  --val-fraction F     share of the corpus held out for validation          [0.1]
-model:
-  --layers N  --d-model N  --heads N                                   [2, 64, 4]
-  --context N          tokens (bytes) per sequence                           [64]
-  --dropout P                                                                [0]
-  --attention K        flash | burn | unfused                             [flash]
-training:
-  --batch N  --steps N                                                 [8, 100]
-  --lr LR  --min-lr LR  --warmup N   warmup, then cosine decay      [3e-3, 3e-4, 10]
-  --weight-decay W                                                         [0.1]
-  --eval-every N  --eval-batches N    (0 batches: no validation)      [20, 4]
-  --seed N                                                                  [42]
-  --log-every N        progress lines when stderr is not a terminal         [10]
-runtime:
-  --device D           auto | cuda | wgpu (auto: CUDA if built with `cuda` and present)
-  --dtype T            f32 | bf16 | f16 compute; weights stay f32          [f32]
-  --devices N          data-parallel over CUDA devices 0..N, batch split evenly [1]
-output:
-  --csv PATH           loss curve: step,lr,train_loss,val_loss
-  --prompt TEXT  --sample-len N    text generated after training         [\"\", 200]
-";
-
+/// Train a small GPT on a byte-level text corpus, its attention computed by burn-flash's fused
+/// kernel or by Burn's (docs/gpt.md).
+#[derive(Parser, Debug)]
+#[command(name = "gpt", bin_name = "gpt")]
 struct Args {
-    /// The corpus's file or directory; the built-in one when `None`.
+    /// Text file, or directory of text files [default: The Devil's Dictionary, built in].
+    #[arg(long, value_name = "PATH", help_heading = "Data")]
     data: Option<PathBuf>,
+    /// Share of the corpus held out for validation, in (0, 1).
+    #[arg(long, value_name = "F", default_value_t = 0.1, value_parser = fraction, help_heading = "Data")]
     val_fraction: f64,
+
+    /// Blocks.
+    #[arg(long, value_name = "N", default_value_t = 2, help_heading = "Model")]
     layers: usize,
+    /// Width of the residual stream.
+    #[arg(long, value_name = "N", default_value_t = 64, help_heading = "Model")]
     d_model: usize,
+    /// Attention heads (they divide --d-model).
+    #[arg(long, value_name = "N", default_value_t = 4, help_heading = "Model")]
     heads: usize,
+    /// Tokens (bytes) per sequence.
+    #[arg(long, value_name = "N", default_value_t = 64, help_heading = "Model")]
     context: usize,
+    /// Dropout of the embeddings, attention probabilities, attention outputs and MLP.
+    #[arg(long, value_name = "P", default_value_t = 0.0, help_heading = "Model")]
     dropout: f64,
-    attention: AttentionKernel,
-    device: String,
+    /// What computes the attention: burn-flash's kernel, Burn's `attention`, or Burn's
+    /// `attention_fallback`.
+    #[arg(long, value_enum, default_value_t = Attention::Flash, help_heading = "Model")]
+    attention: Attention,
+
+    /// Sequences per step (over all devices).
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = positive(), help_heading = "Training")]
+    batch: usize,
+    /// Optimizer steps.
+    #[arg(long, value_name = "N", default_value_t = 100, value_parser = positive(), help_heading = "Training")]
+    steps: usize,
+    /// Peak learning rate, after a linear warmup; then cosine decay to --min-lr.
+    #[arg(
+        long,
+        value_name = "LR",
+        default_value_t = 3e-3,
+        help_heading = "Training"
+    )]
+    lr: f64,
+    /// Learning rate at the last step.
+    #[arg(
+        long,
+        value_name = "LR",
+        default_value_t = 3e-4,
+        help_heading = "Training"
+    )]
+    min_lr: f64,
+    /// Warmup steps.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 10,
+        help_heading = "Training"
+    )]
+    warmup: usize,
+    /// AdamW's weight decay.
+    #[arg(
+        long,
+        value_name = "W",
+        default_value_t = 0.1,
+        help_heading = "Training"
+    )]
+    weight_decay: f32,
+    /// Steps between validations (and the last step).
+    #[arg(long, value_name = "N", default_value_t = 20, value_parser = positive(), help_heading = "Training")]
+    eval_every: usize,
+    /// Batches per validation; 0: no validation.
+    #[arg(long, value_name = "N", default_value_t = 4, help_heading = "Training")]
+    eval_batches: usize,
+    /// Seed of the data, the initialisation and the sampling.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 42,
+        help_heading = "Training"
+    )]
+    seed: u64,
+    /// Steps between progress lines when stderr is not a terminal.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 10,
+        help_heading = "Training"
+    )]
+    log_every: usize,
+
+    /// auto: CUDA if built with `cuda` and a device is present, else wgpu.
+    #[arg(long, value_enum, default_value_t = Backend::Auto, help_heading = "Runtime")]
+    device: Backend,
+    /// The dtype the model computes in; weights and optimizer state stay f32.
+    #[arg(long, value_enum, default_value_t = Precision::F32, help_heading = "Runtime")]
+    dtype: Precision,
+    /// Data-parallel over CUDA devices 0..N, the batch split evenly (N divides --batch).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = positive(), help_heading = "Runtime")]
     devices: usize,
-    dtype: DType,
-    settings: Settings,
+
+    /// Write the loss curve there: step,lr,train_loss,val_loss.
+    #[arg(long, value_name = "PATH", help_heading = "Output")]
+    csv: Option<PathBuf>,
+    /// Text the generated sample starts with.
+    #[arg(long, value_name = "TEXT", default_value = "", help_heading = "Output")]
+    prompt: String,
+    /// Bytes generated after training.
+    #[arg(long, value_name = "N", default_value_t = 200, help_heading = "Output")]
+    sample_len: usize,
 }
 
-fn parse_args() -> Result<Option<Args>, String> {
-    let mut args = Args {
-        data: None,
-        val_fraction: 0.1,
-        layers: 2,
-        d_model: 64,
-        heads: 4,
-        context: 64,
-        dropout: 0.0,
-        attention: AttentionKernel::Flash,
-        device: "auto".into(),
-        devices: 1,
-        dtype: DType::F32,
-        settings: Settings {
-            steps: 100,
-            batch: 8,
-            context: 64,
-            dtype: DType::F32,
+/// `--attention`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Attention {
+    Flash,
+    Burn,
+    Unfused,
+}
+
+impl Attention {
+    fn kernel(self) -> AttentionKernel {
+        match self {
+            Self::Flash => AttentionKernel::Flash,
+            Self::Burn => AttentionKernel::BurnBuiltin,
+            Self::Unfused => AttentionKernel::Unfused,
+        }
+    }
+}
+
+/// `--device`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    Auto,
+    Cuda,
+    Wgpu,
+}
+
+/// `--dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Precision {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Precision {
+    fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+            Self::F16 => DType::F16,
+        }
+    }
+}
+
+fn positive() -> RangedU64ValueParser<usize> {
+    RangedU64ValueParser::new().range(1..)
+}
+
+fn fraction(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(f) if f > 0.0 && f < 1.0 => Ok(f),
+        _ => Err(format!("{value} is not a fraction in (0, 1)")),
+    }
+}
+
+impl Args {
+    fn settings(&self) -> Settings {
+        Settings {
+            steps: self.steps,
+            batch: self.batch,
+            context: self.context,
+            dtype: self.dtype.dtype(),
             schedule: Schedule {
-                peak: 3e-3,
-                min: 3e-4,
-                warmup: 10,
-                steps: 100,
+                peak: self.lr,
+                min: self.min_lr,
+                warmup: self.warmup,
+                steps: self.steps,
             },
-            weight_decay: 0.1,
-            eval_every: 20,
-            eval_batches: 4,
-            seed: 42,
-            log_every: 10,
-            csv: None,
-            prompt: String::new(),
-            sample_len: 200,
-        },
-    };
-    let mut raw = std::env::args().skip(1);
-    while let Some(flag) = raw.next() {
-        if flag == "--help" || flag == "-h" {
-            return Ok(None);
-        }
-        let (flag, value) = match flag.split_once('=') {
-            Some((flag, value)) => (flag.to_string(), value.to_string()),
-            None => {
-                let value = raw.next().ok_or_else(|| format!("{flag} needs a value"))?;
-                (flag, value)
-            }
-        };
-        let s = &mut args.settings;
-        match flag.as_str() {
-            "--data" => args.data = Some(value.into()),
-            "--val-fraction" => args.val_fraction = number(&flag, &value)?,
-            "--layers" => args.layers = number(&flag, &value)?,
-            "--d-model" => args.d_model = number(&flag, &value)?,
-            "--heads" => args.heads = number(&flag, &value)?,
-            "--context" => args.context = number(&flag, &value)?,
-            "--dropout" => args.dropout = number(&flag, &value)?,
-            "--attention" => {
-                args.attention = match value.as_str() {
-                    "flash" => AttentionKernel::Flash,
-                    "burn" => AttentionKernel::BurnBuiltin,
-                    "unfused" => AttentionKernel::Unfused,
-                    _ => return Err(format!("--attention: flash, burn or unfused, not {value}")),
-                }
-            }
-            "--device" if ["auto", "cuda", "wgpu"].contains(&value.as_str()) => args.device = value,
-            "--devices" => args.devices = number(&flag, &value)?,
-            "--dtype" => {
-                args.dtype = match value.as_str() {
-                    "f32" => DType::F32,
-                    "bf16" => DType::BF16,
-                    "f16" => DType::F16,
-                    _ => return Err(format!("--dtype: f32, bf16 or f16, not {value}")),
-                }
-            }
-            "--batch" => s.batch = number(&flag, &value)?,
-            "--steps" => s.steps = number(&flag, &value)?,
-            "--lr" => s.schedule.peak = number(&flag, &value)?,
-            "--min-lr" => s.schedule.min = number(&flag, &value)?,
-            "--warmup" => s.schedule.warmup = number(&flag, &value)?,
-            "--weight-decay" => s.weight_decay = number(&flag, &value)?,
-            "--eval-every" => s.eval_every = number(&flag, &value)?,
-            "--eval-batches" => s.eval_batches = number(&flag, &value)?,
-            "--seed" => s.seed = number(&flag, &value)?,
-            "--log-every" => s.log_every = number(&flag, &value)?,
-            "--csv" => s.csv = Some(value.into()),
-            "--prompt" => s.prompt = value,
-            "--sample-len" => s.sample_len = number(&flag, &value)?,
-            _ => return Err(format!("unknown flag or value: {flag} {value}")),
+            weight_decay: self.weight_decay,
+            eval_every: self.eval_every,
+            eval_batches: self.eval_batches,
+            seed: self.seed,
+            log_every: self.log_every,
+            csv: self.csv.clone(),
+            prompt: self.prompt.clone(),
+            sample_len: self.sample_len,
         }
     }
-    let s = &mut args.settings;
-    s.context = args.context;
-    s.dtype = args.dtype;
-    s.schedule.steps = s.steps;
-    if s.steps == 0 || s.batch == 0 || s.eval_every == 0 {
-        return Err("--steps, --batch and --eval-every must be positive".into());
-    }
-    if args.devices == 0 || !s.batch.is_multiple_of(args.devices) {
-        return Err("--devices must be positive and divide --batch".into());
-    }
-    if !(0.0..1.0).contains(&args.val_fraction) || args.val_fraction == 0.0 {
-        return Err("--val-fraction must be in (0, 1)".into());
-    }
-    Ok(Some(args))
-}
-
-fn number<T: FromStr>(flag: &str, value: &str) -> Result<T, String> {
-    value
-        .parse()
-        .map_err(|_| format!("{flag}: cannot read {value:?}"))
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(Some(args)) => args,
-        Ok(None) => {
-            print!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(message) => {
-            eprintln!("error: {message}\n\n{USAGE}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let args = Args::parse();
+    if !args.batch.is_multiple_of(args.devices) {
+        Args::command()
+            .error(ErrorKind::ValueValidation, "--devices must divide --batch")
+            .exit();
+    }
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
@@ -205,13 +240,14 @@ fn main() -> ExitCode {
     }
 }
 
-/// CubeCL 0.10 gives each thread its own stream on a device, with its own memory pool, and
-/// training on several GPUs it lost track of tensors that came from another device
-/// ("Memory page 0 doesn't exist", then failed allocations within a dozen steps on two H100s;
-/// `docs/gpt.md`). With one stream per device every tensor of a device lives in one pool, and
-/// the same run trains. Set before CubeCL reads its configuration, which is otherwise taken as
-/// CubeCL would (`cubecl.toml` or `burn.toml` upwards from the working directory, then the
-/// environment).
+/// CubeCL gives each thread its own stream on a device, with its own memory pool. On CubeCL
+/// 0.10, training on several GPUs lost track of tensors that came from another device ("Memory
+/// page 0 doesn't exist", then failed allocations within a dozen steps on two H100s;
+/// `docs/gpt.md`), and one stream per device, keeping every tensor of a device in one pool,
+/// fixed it. CubeCL 0.12 still defaults to a stream per thread, so the setting stays until a
+/// multi-GPU run shows it unneeded. Set before CubeCL reads its configuration, which is
+/// otherwise taken as CubeCL would (`cubecl.toml` or `burn.toml` upwards from the working
+/// directory, then the environment).
 #[cfg(feature = "cuda")]
 fn one_stream_per_device() {
     use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
@@ -222,59 +258,38 @@ fn one_stream_per_device() {
 
 fn run(args: &Args) -> Result<(), String> {
     #[cfg(feature = "cuda")]
-    if args.device != "wgpu" {
+    if args.device != Backend::Wgpu {
         if args.devices > 1 {
             one_stream_per_device();
         }
-        match burn_flash_suite::cuda_device() {
-            Ok(device) => {
-                use burn::backend::cuda::CudaDevice;
-                let count = cubecl::cuda::CudaRuntime::client(&device).device_count_total();
-                if args.devices > count {
-                    return Err(format!("--devices {}: {count} CUDA devices", args.devices));
-                }
-                let devices: Vec<CudaDevice> = (0..args.devices).map(CudaDevice::new).collect();
-                let clients: Vec<_> = devices
-                    .iter()
-                    .map(cubecl::cuda::CudaRuntime::client)
-                    .collect();
-                let reserved = move || {
-                    let usage = clients.iter().map(|c| c.memory_usage().ok());
-                    usage.map(|u| u.map(|u| u.bytes_reserved)).max().flatten()
-                };
-                return train_on::<Autodiff<burn::backend::Cuda>>(
-                    args, &devices, "CUDA", &reserved,
-                );
+        // Lists none, without panicking, when the driver library cannot be loaded.
+        let count = Device::enumerate(burn::tensor::DeviceType::Cuda).len();
+        if count > 0 {
+            if args.devices > count {
+                return Err(format!("--devices {}: {count} CUDA devices", args.devices));
             }
-            Err(reason) if args.device == "cuda" => {
-                return Err(format!("no CUDA device: {reason}"));
-            }
-            Err(reason) => eprintln!("no CUDA device ({reason}); running on wgpu"),
+            let devices: Vec<Device> = (0..args.devices)
+                .map(|index| Device::cuda(index).autodiff())
+                .collect();
+            return train_on(args, &devices, "CUDA");
         }
+        if args.device == Backend::Cuda {
+            return Err("no CUDA device (no driver, or no GPU)".into());
+        }
+        eprintln!("no CUDA device (no driver, or no GPU); running on wgpu");
     }
     #[cfg(not(feature = "cuda"))]
-    if args.device == "cuda" {
+    if args.device == Backend::Cuda {
         return Err("--device cuda needs a build with `--features cuda`".into());
     }
     if args.devices > 1 {
         return Err("--devices above 1 needs CUDA".into());
     }
-    let device = WgpuDevice::default();
-    let client = cubecl::wgpu::WgpuRuntime::client(&device);
-    let reserved = move || client.memory_usage().ok().map(|u| u.bytes_reserved);
-    train_on::<Autodiff<Wgpu>>(args, &[device], "wgpu", &reserved)
+    let device = Device::wgpu(Default::default()).autodiff();
+    train_on(args, &[device], "wgpu")
 }
 
-fn train_on<B>(
-    args: &Args,
-    devices: &[B::Device],
-    name: &str,
-    reserved_bytes: &dyn Fn() -> Option<u64>,
-) -> Result<(), String>
-where
-    B: burn::tensor::backend::AutodiffBackend + FlashAttentionBackend,
-    B::InnerBackend: FlashAttentionBackend,
-{
+fn train_on(args: &Args, devices: &[Device], name: &str) -> Result<(), String> {
     let (corpus, corpus_name) = match &args.data {
         Some(path) => {
             let corpus = data::load_corpus(path)
@@ -300,7 +315,9 @@ where
     );
 
     let device = &devices[0];
-    B::seed(device, args.settings.seed);
+    device.seed(args.seed);
+    let dtype = args.dtype.dtype();
+    let kernel = args.attention.kernel();
     let model = GptConfig::new(
         data::VOCAB_SIZE,
         args.context,
@@ -309,44 +326,43 @@ where
         args.heads,
     )
     .with_dropout(args.dropout)
-    .with_kernel(args.attention)
-    .init::<B>(device);
-    let parameters = burn::module::Module::num_params(&model);
+    .with_kernel(kernel)
+    .init(device);
     println!(
-        "model:     {} layers, d_model {}, {} heads, context {}, {parameters} parameters, {:?} \
-         weights computing in {:?}",
+        "model:     {} layers, d_model {}, {} heads, context {}, {} parameters, {:?} \
+         weights computing in {dtype:?}",
         args.layers,
         args.d_model,
         args.heads,
         args.context,
+        model.num_params(),
         model.dtype(),
-        args.dtype
     );
     let d_k = args.d_model / args.heads;
-    let probe = Tensor::<B, 4>::random(
-        [args.settings.batch, args.heads, args.context, d_k],
+    let probe = Tensor::<4>::random(
+        [args.batch, args.heads, args.context, d_k],
         Distribution::Default,
-        (device, args.dtype),
+        (device, dtype),
     );
     let plan = flash_attention_plan(&probe, &probe, &probe, FlashAttentionOptions::causal())
         .map_or_else(|e| format!("refused: {e}"), |plan| plan.to_string());
-    println!(
-        "attention: {:?} (burn-flash would run: {plan})",
-        args.attention
-    );
-    println!("device:    {name} {devices:?}");
+    println!("attention: {kernel:?} (burn-flash would run: {plan})");
+    // Without the autodiff wrapper, which every training device has.
+    let plain: Vec<Device> = devices
+        .iter()
+        .map(|d| d.clone().without_autodiff())
+        .collect();
+    println!("device:    {name} {plain:?}");
 
-    let s = &args.settings;
-    let report = train::train(model, &train_text, &val_text, s, devices, reserved_bytes)
+    let s = args.settings();
+    let report = train::train(model, &train_text, &val_text, &s, devices)
         .map_err(|e| format!("writing the loss curve: {e}"))?;
 
     println!("\nsample:\n{}\n", report.sample);
     println!(
-        "summary: {name} x{} {:?} attention {:?} | {} steps x {} tokens in {:.1} s | {} tokens/s (steps {}..) | \
+        "summary: {name} x{} {dtype:?} attention {kernel:?} | {} steps x {} tokens in {:.1} s | {} tokens/s (steps {}..) | \
          peak reserved {} per device | train loss {:.4} -> {:.4} | val loss {:.4} -> {:.4}",
         devices.len(),
-        args.dtype,
-        args.attention,
         s.steps,
         s.batch * s.context,
         report.train_time.as_secs_f64(),

@@ -8,8 +8,7 @@ use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Gelu, LayerNorm, LayerNormConfig, Linear,
     LinearConfig,
 };
-use burn::tensor::{DType, Int, Tensor};
-use burn_flash::FlashAttentionBackend;
+use burn::tensor::{DType, Device, Int, Tensor};
 use burn_flash::nn::{AttentionKernel, FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
 
 /// GPT-2's initialisation of embeddings and projections.
@@ -18,42 +17,52 @@ const INIT: Initializer = Initializer::Normal {
     std: 0.02,
 };
 
+/// The shape of a [`Gpt`] and its attention kernel.
 #[derive(Config, Debug)]
 pub struct GptConfig {
+    /// Number of distinct tokens.
     pub vocab_size: usize,
     /// Longest sequence the position embedding covers.
     pub context: usize,
+    /// Number of blocks.
     pub layers: usize,
+    /// Width of the residual stream.
     pub d_model: usize,
+    /// Attention heads per block.
     pub heads: usize,
+    /// Dropout of the embeddings, the attention probabilities and the blocks' outputs, in
+    /// training.
     #[config(default = 0.0)]
     pub dropout: f64,
+    /// What computes the attention.
     #[config(default = "AttentionKernel::Flash")]
     pub kernel: AttentionKernel,
 }
 
+/// The model: embeddings, blocks, final norm; the head is the token embedding.
 #[derive(Module, Debug)]
-pub struct Gpt<B: FlashAttentionBackend> {
-    tokens: Embedding<B>,
-    positions: Embedding<B>,
-    blocks: Vec<Block<B>>,
-    norm: LayerNorm<B>,
+pub struct Gpt {
+    tokens: Embedding,
+    positions: Embedding,
+    blocks: Vec<Block>,
+    norm: LayerNorm,
     dropout: Dropout,
 }
 
 #[derive(Module, Debug)]
-struct Block<B: FlashAttentionBackend> {
-    attention_norm: LayerNorm<B>,
-    attention: FlashMultiHeadAttention<B>,
-    mlp_norm: LayerNorm<B>,
-    mlp_in: Linear<B>,
-    mlp_out: Linear<B>,
+struct Block {
+    attention_norm: LayerNorm,
+    attention: FlashMultiHeadAttention,
+    mlp_norm: LayerNorm,
+    mlp_in: Linear,
+    mlp_out: Linear,
     activation: Gelu,
     dropout: Dropout,
 }
 
 impl GptConfig {
-    pub fn init<B: FlashAttentionBackend>(&self, device: &B::Device) -> Gpt<B> {
+    /// A model with freshly initialised weights on `device`.
+    pub fn init(&self, device: &Device) -> Gpt {
         let linear = |d_in, d_out| {
             LinearConfig::new(d_in, d_out)
                 .with_initializer(INIT)
@@ -62,6 +71,8 @@ impl GptConfig {
         let blocks = (0..self.layers)
             .map(|_| Block {
                 attention_norm: LayerNormConfig::new(self.d_model).init(device),
+                // Causal self-attention: the module aligns the mask bottom-right (Burn's default
+                // `CausalAlignment`), which with as many queries as keys is the usual `tril`.
                 attention: FlashMultiHeadAttentionConfig::new(self.d_model, self.heads)
                     .with_causal(true)
                     .with_dropout(self.dropout)
@@ -90,12 +101,12 @@ impl GptConfig {
     }
 }
 
-impl<B: FlashAttentionBackend> Gpt<B> {
+impl Gpt {
     /// Next-token logits `[batch, seq, vocab]` of tokens `[batch, seq]`, `seq <= context`.
-    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         let [_, seq] = tokens.dims();
         let device = tokens.device();
-        let positions = Tensor::<B, 1, Int>::arange(0..seq as i64, &device).unsqueeze::<2>();
+        let positions = Tensor::<1, Int>::arange(0..seq as i64, &device).unsqueeze::<2>();
         let mut x = self
             .dropout
             .forward(self.tokens.forward(tokens) + self.positions.forward(positions));
@@ -109,7 +120,7 @@ impl<B: FlashAttentionBackend> Gpt<B> {
     }
 
     /// Mean cross-entropy of predicting `targets` (`[batch, seq]`) from `inputs`.
-    pub fn loss(&self, inputs: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+    pub fn loss(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
         let [batch, seq] = inputs.dims();
         // The softmax and the loss in f32 whatever the compute dtype.
         let logits = self.forward(inputs).cast(DType::F32);
@@ -128,9 +139,9 @@ impl<B: FlashAttentionBackend> Gpt<B> {
     }
 
     /// This model computing in `dtype`: every float parameter cast to it. On an autodiff
-    /// backend the casts are recorded, so gradients flow back to this model's parameters in
+    /// device the casts are recorded, so gradients flow back to this model's parameters in
     /// their own dtype: f32 weights and optimizer state, bf16 or f16 matmuls and attention
-    /// (mixed precision; Burn 0.21 has no automatic one).
+    /// (mixed precision, which Burn 0.23 does not automate).
     pub fn cast(&self, dtype: DType) -> Self {
         if self.dtype() == dtype {
             return self.clone();
@@ -144,8 +155,8 @@ impl<B: FlashAttentionBackend> Gpt<B> {
     }
 }
 
-impl<B: FlashAttentionBackend> Block<B> {
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+impl Block {
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let attended = self
             .attention
             .forward_self(self.attention_norm.forward(x.clone()));
@@ -160,8 +171,8 @@ impl<B: FlashAttentionBackend> Block<B> {
 /// Casts float parameters to a dtype, keeping their ids.
 struct Cast(DType);
 
-impl<B: FlashAttentionBackend> ModuleMapper<B> for Cast {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+impl ModuleMapper for Cast {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         param.map(|tensor| tensor.cast(self.0))
     }
 }

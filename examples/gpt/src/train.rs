@@ -1,5 +1,5 @@
 //! The training loop: AdamW with warmup and cosine decay, periodic validation, the loss curve
-//! as CSV, a progress line, and a sample from the trained model.
+//! as CSV, a progress bar, and a sample from the trained model.
 
 use std::f64::consts::PI;
 use std::fs::File;
@@ -8,13 +8,11 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use burn::grad_clipping::GradientClippingConfig;
-use burn::module::{AutodiffModule, Module};
-use burn::optim::{AdamWConfig, GradientsParams, MultiGradientsParams, Optimizer};
-use burn::prelude::DeviceOps;
+use burn::module::Module;
+use burn::optim::{AdamWConfig, GradientsParams, MultiGradientsParams};
 use burn::tensor::activation::softmax;
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, ElementConversion, Int, Tensor, TensorData};
-use burn_flash::FlashAttentionBackend;
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -24,21 +22,33 @@ use crate::model::Gpt;
 /// The first steps compile kernels and autotune; throughput is measured after them.
 pub const UNTIMED_STEPS: usize = 10;
 
+/// What a training run does, besides the model.
 pub struct Settings {
+    /// Optimizer steps.
     pub steps: usize,
+    /// Sequences per step, over all devices.
     pub batch: usize,
+    /// Tokens per sequence.
     pub context: usize,
     /// The dtype the model computes in; its parameters stay in their own (mixed precision).
     pub dtype: DType,
+    /// The learning rate of each step.
     pub schedule: Schedule,
+    /// AdamW's decoupled weight decay.
     pub weight_decay: f32,
+    /// Steps between validations (the last step validates too).
     pub eval_every: usize,
     /// Batches per validation; 0 skips validation (and its kernels' compilation).
     pub eval_batches: usize,
+    /// Seed of the batches and of the sample.
     pub seed: u64,
+    /// Steps between progress lines when stderr is not a terminal.
     pub log_every: usize,
+    /// Where to write the loss curve, if anywhere.
     pub csv: Option<PathBuf>,
+    /// The start of the generated sample.
     pub prompt: String,
+    /// Bytes generated after the prompt.
     pub sample_len: usize,
 }
 
@@ -46,9 +56,13 @@ pub struct Settings {
 /// `min` at the last step.
 #[derive(Clone, Copy, Debug)]
 pub struct Schedule {
+    /// The rate at the end of the warmup.
     pub peak: f64,
+    /// The rate at the last step.
     pub min: f64,
+    /// Steps of linear warmup.
     pub warmup: usize,
+    /// All steps, warmup included.
     pub steps: usize,
 }
 
@@ -64,39 +78,44 @@ impl Schedule {
     }
 }
 
+/// What [`train`] measured, and the sample of the trained model.
 pub struct Report {
+    /// Training loss of the first step.
     pub first_train_loss: f64,
+    /// Training loss of the last step.
     pub final_train_loss: f64,
-    /// NaN when validation is off.
+    /// Validation loss before training; NaN when validation is off.
     pub first_val_loss: f64,
+    /// Validation loss after the last step; NaN when validation is off.
     pub final_val_loss: f64,
+    /// Training tokens per second after the first [`UNTIMED_STEPS`] steps, if there were any.
     pub tokens_per_second: Option<f64>,
+    /// Wall time of all training steps, validation excluded.
     pub train_time: Duration,
     /// Largest `bytes_reserved` of a device's memory pools seen after a step (the largest of
-    /// the devices, when there are several).
+    /// the devices, when there are several); `None` where the devices report none.
     pub peak_reserved: Option<u64>,
+    /// `prompt` continued by the trained model.
     pub sample: String,
 }
 
-pub fn train<B>(
-    mut model: Gpt<B>,
+/// Train `model` on windows of `train_text`, validating on `val_text`, on `devices` (autodiff
+/// devices; with several, data-parallel: each takes an equal share of every batch), then
+/// generate the sample. Fails only on writing the CSV.
+pub fn train(
+    mut model: Gpt,
     train_text: &[u8],
     val_text: &[u8],
     settings: &Settings,
-    devices: &[B::Device],
-    reserved_bytes: &dyn Fn() -> Option<u64>,
-) -> io::Result<Report>
-where
-    B: AutodiffBackend + FlashAttentionBackend,
-    B::InnerBackend: FlashAttentionBackend,
-{
+    devices: &[Device],
+) -> io::Result<Report> {
     let s = settings;
-    // Validation and sampling run on the first device.
-    let device = &devices[0];
+    // Validation and sampling run on the first device, without autodiff.
+    let eval_device = devices[0].clone().without_autodiff();
     let mut optimizer = AdamWConfig::new()
         .with_weight_decay(s.weight_decay)
         .with_grad_clipping(Some(GradientClippingConfig::Norm(1.0)))
-        .init::<B, Gpt<B>>();
+        .init();
     let mut batches = Batches::new(train_text, s.batch, s.context, s.seed);
     // A fixed validation set, so that validation losses compare across steps.
     let mut val_draw = Batches::new(val_text, s.batch, s.context, s.seed.wrapping_add(1));
@@ -110,13 +129,20 @@ where
         }
         None => None,
     };
+    let reserved_bytes = || {
+        devices
+            .iter()
+            .filter_map(|device| device.memory_pool_usage())
+            .map(|usage| usage.bytes_reserved)
+            .max()
+    };
     let progress = Progress::new(s.steps, s.log_every);
     let (mut timed, mut timed_tokens, mut train_time) = (Duration::ZERO, 0usize, Duration::ZERO);
     let mut peak_reserved = reserved_bytes();
     let (mut first_train_loss, mut train_loss) = (f64::NAN, f64::NAN);
     // After a step on several devices each parameter lives where its gradients were summed.
-    let gathered = |model: &Gpt<B>| model.valid().to_device(device).cast(s.dtype);
-    let first_val_loss = evaluate(&gathered(&model), &val_batches, device);
+    let gathered = |model: &Gpt| model.valid().to_device(&eval_device).cast(s.dtype);
+    let first_val_loss = evaluate(&gathered(&model), &val_batches, &eval_device);
     let mut val_loss = first_val_loss;
 
     for step in 1..=s.steps {
@@ -124,18 +150,18 @@ where
         let batch = batches.next_batch();
         let start = Instant::now();
         if let [device] = devices {
-            let (inputs, targets) = batch_tensors::<B>(&batch, device);
+            let (inputs, targets) = batch_tensors(&batch, device);
             let loss = model.cast(s.dtype).loss(inputs, targets);
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optimizer.step(lr, model, grads);
-            train_loss = loss.into_scalar().elem::<f64>();
+            train_loss = loss.into_scalar::<f64>();
         } else {
             let grads;
             (grads, train_loss) = data_parallel_grads(&model, s.dtype, &batch, devices);
             model = optimizer.step_multi(lr, model, grads);
         }
         for device in devices {
-            B::sync(device).expect("device sync");
+            device.sync().expect("device sync");
         }
         let elapsed = start.elapsed();
         train_time += elapsed;
@@ -151,7 +177,7 @@ where
         let evaluated =
             !val_batches.is_empty() && (step.is_multiple_of(s.eval_every) || step == s.steps);
         if evaluated {
-            val_loss = evaluate(&gathered(&model), &val_batches, device);
+            val_loss = evaluate(&gathered(&model), &val_batches, &eval_device);
         }
         if let Some(file) = csv.as_mut() {
             let val = if evaluated {
@@ -169,7 +195,13 @@ where
     }
     progress.finish();
 
-    let sample = generate(&gathered(&model), &s.prompt, s.sample_len, s.seed, device);
+    let sample = generate(
+        &gathered(&model),
+        &s.prompt,
+        s.sample_len,
+        s.seed,
+        &eval_device,
+    );
     Ok(Report {
         first_train_loss,
         final_train_loss: train_loss,
@@ -187,20 +219,16 @@ where
 /// share of the batch forward and backward on a thread of its own, and the gradients returned
 /// per device for the optimizer's `step_multi`, which sums each parameter's gradients on one
 /// device (chosen by parameter id, the same every step) and updates the parameter there.
-fn data_parallel_grads<B>(
-    model: &Gpt<B>,
+fn data_parallel_grads(
+    model: &Gpt,
     dtype: DType,
     batch: &Batch,
-    devices: &[B::Device],
-) -> (MultiGradientsParams, f64)
-where
-    B: AutodiffBackend + FlashAttentionBackend,
-    B::InnerBackend: FlashAttentionBackend,
-{
+    devices: &[Device],
+) -> (MultiGradientsParams, f64) {
     let parts = devices.len();
     // Forked here, one device after another: a fork copies parameters between devices, and
     // CubeCL pairs each copy's send and receive on the two devices' queues in submission order.
-    let replicas: Vec<Gpt<B>> = devices.iter().map(|d| model.clone().fork(d)).collect();
+    let replicas: Vec<Gpt> = devices.iter().map(|d| model.clone().fork(d)).collect();
     let outputs: Vec<(GradientsParams, f64)> = std::thread::scope(|scope| {
         let workers: Vec<_> = replicas
             .into_iter()
@@ -208,13 +236,13 @@ where
             .zip(devices)
             .map(|((replica, shard), device)| {
                 scope.spawn(move || {
-                    let (inputs, targets) = batch_tensors::<B>(&shard, device);
+                    let (inputs, targets) = batch_tensors(&shard, device);
                     let loss = replica.cast(dtype).loss(inputs, targets);
                     // The whole batch's mean is the mean of the shards' means, so each shard's
                     // gradients are scaled by 1/parts before the optimizer sums them.
                     let grads = loss.clone().div_scalar(parts as f64).backward();
                     let grads = GradientsParams::from_grads(grads, &replica);
-                    (grads, loss.into_scalar().elem::<f64>())
+                    (grads, loss.into_scalar::<f64>())
                 })
             })
             .collect();
@@ -227,46 +255,33 @@ where
     let grads = outputs
         .into_iter()
         .zip(devices)
-        .map(|((grads, _), device)| (grads, device.to_id()))
+        .map(|((grads, _), device)| (grads, device.clone()))
         .collect();
     (MultiGradientsParams { grads }, loss)
 }
 
-fn batch_tensors<B: FlashAttentionBackend>(
-    batch: &Batch,
-    device: &B::Device,
-) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+fn batch_tensors(batch: &Batch, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
     let shape = [batch.batch, batch.context];
     let tensor = |tokens: &[i32]| {
-        Tensor::<B, 2, Int>::from_data(TensorData::new(tokens.to_vec(), shape), device)
+        Tensor::<2, Int>::from_data(TensorData::new(tokens.to_vec(), shape), device)
     };
     (tensor(&batch.inputs), tensor(&batch.targets))
 }
 
 /// Mean loss over the batches (NaN for none).
-fn evaluate<B: FlashAttentionBackend>(
-    model: &Gpt<B>,
-    batches: &[Batch],
-    device: &B::Device,
-) -> f64 {
+fn evaluate(model: &Gpt, batches: &[Batch], device: &Device) -> f64 {
     let total: f64 = batches
         .iter()
         .map(|batch| {
-            let (inputs, targets) = batch_tensors::<B>(batch, device);
-            model.loss(inputs, targets).into_scalar().elem::<f64>()
+            let (inputs, targets) = batch_tensors(batch, device);
+            model.loss(inputs, targets).into_scalar::<f64>()
         })
         .sum();
     total / batches.len() as f64
 }
 
 /// `prompt` continued by `len` bytes, each sampled from the model's softmax (temperature 1).
-fn generate<B: FlashAttentionBackend>(
-    model: &Gpt<B>,
-    prompt: &str,
-    len: usize,
-    seed: u64,
-    device: &B::Device,
-) -> String {
+fn generate(model: &Gpt, prompt: &str, len: usize, seed: u64, device: &Device) -> String {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut tokens: Vec<i32> = prompt.bytes().map(i32::from).collect();
     let context = model.context();
@@ -275,16 +290,15 @@ fn generate<B: FlashAttentionBackend>(
         let recent = &tokens[tokens.len().saturating_sub(context)..];
         let mut window = vec![i32::from(b'\n'); context - recent.len()];
         window.extend_from_slice(recent);
-        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(window, [1, context]), device);
+        let input = Tensor::<2, Int>::from_data(TensorData::new(window, [1, context]), device);
         let logits = model.forward(input);
         let [_, seq, vocab] = logits.dims();
         let last = logits
             .slice([0..1, seq - 1..seq, 0..vocab])
             .reshape([vocab]);
-        let probs: Vec<f32> = softmax(last, 0)
+        let probs = softmax(last, 0)
             .into_data()
-            .convert::<f32>()
-            .into_vec()
+            .try_into_vec_as::<f32>()
             .expect("probabilities as f32");
         let mut u = rng.random::<f32>();
         let token = probs
@@ -300,59 +314,70 @@ fn generate<B: FlashAttentionBackend>(
     decode(&bytes)
 }
 
-/// Progress on stderr: one line rewritten in place on a terminal, a line every `log_every`
-/// steps otherwise (logs of CI or `nohup`).
+/// Progress on stderr: an indicatif bar redrawn in place on a terminal; otherwise (logs of CI
+/// or `nohup`) the bar is hidden and a plain line is printed every `log_every` steps.
 struct Progress {
+    bar: ProgressBar,
     steps: usize,
     log_every: usize,
     terminal: bool,
     start: Instant,
 }
 
+/// Width of the plain lines' bar, in steps of `steps / WIDTH`.
+const WIDTH: usize = 24;
+
 impl Progress {
     fn new(steps: usize, log_every: usize) -> Self {
+        let terminal = io::stderr().is_terminal();
+        let bar = if terminal {
+            ProgressBar::new(steps as u64)
+        } else {
+            ProgressBar::hidden()
+        };
+        bar.set_style(
+            ProgressStyle::with_template(&format!(
+                "[{{bar:{WIDTH}}}] step {{pos}}/{{len}} | {{msg}} | {{elapsed}}"
+            ))
+            .expect("a valid template")
+            .progress_chars("#>."),
+        );
         Self {
+            bar,
             steps,
             log_every: log_every.max(1),
-            terminal: io::stderr().is_terminal(),
+            terminal,
             start: Instant::now(),
         }
     }
 
     fn update(&self, step: usize, lr: f64, train: f64, val: f64, tokens_per_second: Option<f64>) {
-        if !self.terminal && !step.is_multiple_of(self.log_every) && step != self.steps {
-            return;
-        }
-        const WIDTH: usize = 24;
-        let done = WIDTH * step / self.steps;
-        let bar = format!("{}{}", "#".repeat(done), ".".repeat(WIDTH - done));
         let speed = tokens_per_second.map_or("-".into(), |t| format!("{t:.0}"));
-        let line = format!(
-            "[{bar}] step {step}/{} | lr {lr:.2e} | train loss {train:.4} | val loss {val:.4} | {speed} tokens/s | {:.0} s",
-            self.steps,
-            self.start.elapsed().as_secs_f64()
-        );
-        if self.terminal {
-            eprint!("\r{line}");
-        } else {
-            eprintln!("{line}");
+        let status =
+            format!("lr {lr:.2e} | train loss {train:.4} | val loss {val:.4} | {speed} tokens/s");
+        if !self.terminal && (step.is_multiple_of(self.log_every) || step == self.steps) {
+            let done = WIDTH * step / self.steps;
+            let bar = format!("{}{}", "#".repeat(done), ".".repeat(WIDTH - done));
+            eprintln!(
+                "[{bar}] step {step}/{} | {status} | {:.0} s",
+                self.steps,
+                self.start.elapsed().as_secs_f64()
+            );
         }
+        self.bar.set_message(status);
+        self.bar.set_position(step as u64);
     }
 
     fn finish(&self) {
-        if self.terminal {
-            eprintln!();
-        }
+        // Leaves the last state on the terminal.
+        self.bar.finish();
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use burn::backend::wgpu::WgpuDevice;
-    use burn::backend::{Autodiff, Wgpu};
     use burn::module::{ModuleVisitor, Param};
     use burn::optim::SgdConfig;
-    use burn::tensor::backend::Backend;
 
     use super::*;
     use crate::model::GptConfig;
@@ -360,14 +385,14 @@ mod tests {
     /// Every float parameter of a module, flattened.
     struct Flatten(Vec<f32>);
 
-    impl<B: Backend> ModuleVisitor<B> for Flatten {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let values = param.val().into_data().convert::<f32>();
-            self.0.extend(values.into_vec::<f32>().expect("f32 values"));
+    impl ModuleVisitor for Flatten {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let values = param.val().into_data().try_into_vec_as::<f32>();
+            self.0.extend(values.expect("f32 values"));
         }
     }
 
-    fn flatten<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
+    fn flatten<M: Module>(module: &M) -> Vec<f32> {
         let mut flat = Flatten(Vec::new());
         module.visit(&mut flat);
         flat.0
@@ -378,21 +403,26 @@ mod tests {
     /// the per-device gradients are what is checked) against one step on the whole batch.
     #[test]
     fn data_parallel_step_is_the_whole_batch_step() {
-        type B = Autodiff<Wgpu>;
-        let device = WgpuDevice::default();
-        let model = GptConfig::new(256, 16, 1, 32, 2).init::<B>(&device);
+        let device = Device::wgpu(Default::default()).autodiff();
+        let model = GptConfig::new(256, 16, 1, 32, 2).init(&device);
         let text: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
         let batch = Batches::new(&text, 4, 16, 5).next_batch();
         let start = flatten(&model);
 
-        let mut sgd = SgdConfig::new().init::<B, Gpt<B>>();
-        let (inputs, targets) = batch_tensors::<B>(&batch, &device);
+        let mut sgd = SgdConfig::new().init();
+        let (inputs, targets) = batch_tensors(&batch, &device);
         let loss = model.loss(inputs, targets);
-        let whole_loss = loss.clone().into_scalar().elem::<f64>();
+        let whole_loss = loss.clone().into_scalar::<f64>();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let whole = flatten(&sgd.step(0.5, model.clone(), grads));
 
-        let mut sgd = SgdConfig::new().init::<B, Gpt<B>>();
+        // One shard's step first, on this thread: it autotunes the shard's shapes, which the
+        // two threads below would otherwise tune at once on the one device, where Burn
+        // 0.23.0-pre.1's autotune has hung (on lavapipe, in `Tuner::tune_fixed_samples`).
+        let (inputs, targets) = batch_tensors(&batch.shards(2)[0], &device);
+        let _tuned = model.clone().loss(inputs, targets).backward();
+
+        let mut sgd = SgdConfig::new().init();
         let devices = [device.clone(), device];
         let (grads, parallel_loss) = data_parallel_grads(&model, DType::F32, &batch, &devices);
         let parallel = flatten(&sgd.step_multi(0.5, model, grads));

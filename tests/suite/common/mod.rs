@@ -10,8 +10,7 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -581,14 +580,14 @@ impl Inputs {
     }
 
     /// The three tensors on a device, in `self.dtype` (exact: the values are representable).
-    pub fn to_device<B: Backend>(&self, device: &B::Device) -> [Tensor<B, 4>; 3] {
+    pub fn to_device(&self, device: &Device) -> [Tensor<4>; 3] {
         let p = &self.problem;
         [
             (&self.q, p.q_dims()),
             (&self.k, p.k_dims()),
             (&self.v, p.v_dims()),
         ]
-        .map(|(values, dims)| tensor_from_host::<B>(values, dims, self.dtype, device))
+        .map(|(values, dims)| tensor_from_host(values, dims, self.dtype, device))
     }
 
     /// The f64 reference output and log-sum-exp of these inputs.
@@ -605,12 +604,12 @@ impl Inputs {
 }
 
 /// A tensor of `dtype` holding `values` (which must be representable in `dtype`).
-pub fn tensor_from_host<B: Backend>(
+pub fn tensor_from_host(
     values: &[f32],
     dims: [usize; 4],
     dtype: DType,
-    device: &B::Device,
-) -> Tensor<B, 4> {
+    device: &Device,
+) -> Tensor<4> {
     let data = match dtype {
         DType::F32 => TensorData::new(values.to_vec(), dims),
         DType::F16 => TensorData::new(
@@ -623,7 +622,7 @@ pub fn tensor_from_host<B: Backend>(
         ),
         other => panic!("unsupported test dtype {other:?}"),
     };
-    let tensor = Tensor::<B, 4>::from_data(data, (device, dtype));
+    let tensor = Tensor::<4>::from_data(data, (device, dtype));
     assert_eq!(
         tensor.dtype(),
         dtype,
@@ -633,7 +632,7 @@ pub fn tensor_from_host<B: Backend>(
 }
 
 /// A device tensor's values, widened to f64 (NaN stays NaN).
-pub fn to_host<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f64> {
+pub fn to_host<const D: usize>(tensor: Tensor<D>) -> Vec<f64> {
     tensor.into_data().iter::<f64>().collect()
 }
 

@@ -3,24 +3,21 @@
 //! inputs, the output and the log-sum-exp: no `seq_q × seq_k` tensor is kept between the passes
 //! beyond the inputs themselves.
 
-use burn::backend::Autodiff;
-use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::tensor::Device;
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::FloatTensor;
+use burn::backend::AutodiffBackend;
+use burn::backend::tensor::FloatTensor;
+use burn_autodiff::Autodiff;
+use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
 use crate::backend::{
-    FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
-    ScoreInputs,
+    BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, ScoreInputs,
 };
-use crate::kernel::TilePath;
 use crate::options::FlashAttentionOptions;
 
 /// The graph node of one fused attention call with `N` parents: `q`, `k`, `v`, and the bias
-/// when it is tracked (`N = 4`).
+/// when there is one (`N = 4`).
 #[derive(Debug)]
 struct FlashAttentionNode<const N: usize>;
 
@@ -64,10 +61,10 @@ impl<B: FlashAttentionBackend, const N: usize> Backward<B, N> for FlashAttention
             options,
             bias_grad,
         );
-        for (parent, grad) in ops
-            .parents
-            .into_iter()
-            .zip([Some(dq), Some(dk), Some(dv), dbias])
+        for (parent, grad) in
+            ops.parents
+                .into_iter()
+                .zip([Some(dq), Some(dk), Some(dv), dbias.into_option()])
         {
             if let (Some(parent), Some(grad)) = (parent, grad) {
                 grads.register::<B>(parent.id, grad);
@@ -76,17 +73,15 @@ impl<B: FlashAttentionBackend, const N: usize> Backward<B, N> for FlashAttention
     }
 }
 
-impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C> {
-    /// The fused forward is used under autodiff only where the fused backward can follow it.
-    fn flash_attention_support(
-        device: &Device<Self>,
-        problem: &FlashAttentionProblem,
-    ) -> Result<TilePath, String> {
-        let tile = B::flash_attention_support(device, problem)?;
-        B::flash_attention_backward_support(device, problem)?;
-        Ok(tile)
-    }
+/// The inner backend's score inputs (a mask has no gradient; the bias's node is kept apart).
+fn inner<B: FlashAttentionBackend, C: CheckpointStrategy>(
+    inputs: ScoreInputs<Autodiff<B, C>>,
+) -> ScoreInputs<B> {
+    let (mask, bias) = inputs.into_parts();
+    ScoreInputs::new(mask, bias.map(|bias| bias.into_primitive()))
+}
 
+impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C> {
     fn flash_attention_forward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -94,28 +89,18 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         inputs: ScoreInputs<Self>,
         options: FlashAttentionOptions,
     ) -> FlashAttentionForward<Self> {
-        let inner = ScoreInputs::<B> {
-            mask: inputs.mask,
-            bias: inputs.bias.as_ref().map(|bias| bias.primitive.clone()),
-        };
-        let forward = B::flash_attention_forward(
-            q.primitive.clone(),
-            k.primitive.clone(),
-            v.primitive.clone(),
-            inner.clone(),
-            options,
-        );
+        let bias_node = inputs.bias().map(|bias| bias.node());
+        let inputs = inner(inputs);
+        let (q, q_node) = q.into_parts();
+        let (k, k_node) = k.into_parts();
+        let (v, v_node) = v.into_parts();
+        let forward =
+            B::flash_attention_forward(q.clone(), k.clone(), v.clone(), inputs.clone(), options);
         // The log-sum-exp is an output without a gradient of its own.
         let lse = <Self as AutodiffBackend>::from_inner(forward.lse.clone());
         let state = || Saved {
-            tensors: [
-                q.primitive.clone(),
-                k.primitive.clone(),
-                v.primitive.clone(),
-                forward.output.clone(),
-                forward.lse.clone(),
-            ],
-            inputs: inner,
+            tensors: [q, k, v, forward.output.clone(), forward.lse],
+            inputs,
             options,
         };
         // One node over q, k, v, and the bias when there is one.
@@ -131,18 +116,11 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
                 }
             };
         }
-        let output = match inputs.bias {
-            Some(bias) => record!(4, [q.node, k.node, v.node, bias.node]),
-            None => record!(3, [q.node, k.node, v.node]),
+        let output = match bias_node {
+            Some(bias_node) => record!(4, [q_node, k_node, v_node, bias_node]),
+            None => record!(3, [q_node, k_node, v_node]),
         };
         FlashAttentionForward { output, lse }
-    }
-
-    fn flash_attention_backward_support(
-        device: &Device<Self>,
-        problem: &FlashAttentionProblem,
-    ) -> Result<(), String> {
-        B::flash_attention_backward_support(device, problem)
     }
 
     /// The gradients of the inner backend, as untracked tensors (no second-order graph).
@@ -158,16 +136,13 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         bias_grad: bool,
     ) -> FlashAttentionGrads<Self> {
         let grads = B::flash_attention_backward(
-            q.primitive,
-            k.primitive,
-            v.primitive,
-            ScoreInputs {
-                mask: inputs.mask,
-                bias: inputs.bias.map(|bias| bias.primitive),
-            },
-            output.primitive,
-            lse.primitive,
-            grad_output.primitive,
+            q.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            inner(inputs),
+            output.into_primitive(),
+            lse.into_primitive(),
+            grad_output.into_primitive(),
             options,
             bias_grad,
         );
@@ -176,7 +151,10 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
             q: untracked(grads.q),
             k: untracked(grads.k),
             v: untracked(grads.v),
-            bias: grads.bias.map(untracked),
+            bias: match grads.bias {
+                BiasGrad::Absent => BiasGrad::Absent,
+                BiasGrad::Present(grad) => BiasGrad::Present(untracked(grad)),
+            },
         }
     }
 }

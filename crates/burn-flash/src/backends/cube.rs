@@ -1,33 +1,64 @@
-//! [`FlashAttentionBackend`] for `CubeBackend`: the kernels of [`crate::kernel`], on any CubeCL
-//! runtime.
+//! [`FlashAttentionBackend`] for `CubeBackend`: the kernels of [`crate::kernel`], on every CubeCL
+//! runtime. Burn's `CubeTensor` and the kernels' `KernelTensor` hold the same fields: the
+//! conversions move the buffer, nothing is copied.
 
-use burn::tensor::TensorMetadata;
-use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::backend::TensorMetadata;
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::{BoolTensor, FloatTensor};
+use burn::tensor::{BoolStore, DType};
+use burn_backend::cubecl::{dtype_to_elem_type, elem_type_to_dtype};
+use burn_cubecl::kernel::bool_cast;
 use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_cubecl::{CubeBackend, CubeDevice};
 
 use crate::backend::{
-    FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
-    ScoreInputs,
+    BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, ScoreInputs,
 };
-use crate::kernel::{self, TilePath};
+use crate::kernel::{self, KernelTensor};
 use crate::options::FlashAttentionOptions;
 
-impl<R, F, I, BT> FlashAttentionBackend for CubeBackend<R, F, I, BT>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    fn flash_attention_support(
-        device: &R::Device,
-        problem: &FlashAttentionProblem,
-    ) -> Result<TilePath, String> {
-        let client = R::client(device);
-        kernel::support(&client, problem.dtype, problem.head_dim, problem.value_dim)
+/// The kernels' view of a Burn tensor.
+fn to_kernel(tensor: CubeTensor) -> KernelTensor {
+    KernelTensor {
+        client: tensor.client,
+        handle: tensor.handle,
+        meta: tensor.meta,
+        dtype: dtype_to_elem_type(tensor.dtype),
     }
+}
 
+/// A kernel's output as a Burn tensor of `device`.
+fn from_kernel(tensor: KernelTensor, device: &CubeDevice) -> CubeTensor {
+    CubeTensor::new(
+        tensor.client,
+        tensor.handle,
+        *tensor.meta,
+        device.clone(),
+        elem_type_to_dtype(tensor.dtype),
+    )
+}
+
+/// The score inputs as the kernels read them: a mask of native booleans becomes bytes.
+fn kernel_inputs(inputs: ScoreInputs<CubeBackend>) -> kernel::ScoreInputs {
+    let (mask, bias) = inputs.into_parts();
+    let mask = mask.map(|mask: BoolTensor<CubeBackend>| match mask.dtype {
+        DType::Bool(BoolStore::Native) => bool_cast(mask, DType::U8),
+        _ => mask,
+    });
+    kernel::ScoreInputs::new(mask.map(to_kernel), bias.map(to_kernel))
+}
+
+/// The kernels' view of `options` for these queries and keys.
+fn score_params(
+    q: &CubeTensor,
+    k: &CubeTensor,
+    options: &FlashAttentionOptions,
+) -> kernel::ScoreParams {
+    let (q, k) = (q.shape(), k.shape());
+    kernel::ScoreParams::new(options, q[1], q[3], q[2], k[2])
+}
+
+impl FlashAttentionBackend for CubeBackend {
     fn flash_attention_forward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -36,18 +67,18 @@ where
         options: FlashAttentionOptions,
     ) -> FlashAttentionForward<Self> {
         let params = score_params(&q, &k, &options);
-        let inputs = kernel::ScoreInputs::new(inputs.mask, inputs.bias);
-        let (output, lse) = kernel::forward(q, k, v, inputs, params);
-        FlashAttentionForward { output, lse }
-    }
-
-    fn flash_attention_backward_support(
-        device: &R::Device,
-        problem: &FlashAttentionProblem,
-    ) -> Result<(), String> {
-        let client = R::client(device);
-        kernel::backward_support(&client, problem.dtype, problem.head_dim, problem.value_dim)
-            .map(|_tile| ())
+        let device = q.device.clone();
+        let (output, lse) = kernel::forward(
+            to_kernel(q),
+            to_kernel(k),
+            to_kernel(v),
+            kernel_inputs(inputs),
+            params,
+        );
+        FlashAttentionForward {
+            output: from_kernel(output, &device),
+            lse: from_kernel(lse, &device),
+        }
     }
 
     fn flash_attention_backward(
@@ -62,23 +93,24 @@ where
         bias_grad: bool,
     ) -> FlashAttentionGrads<Self> {
         let params = score_params(&q, &k, &options);
-        let bias_shape = inputs.bias.as_ref().map(|bias| bias.shape().dims::<4>());
-        let inputs = kernel::ScoreInputs::new(inputs.mask, inputs.bias);
+        let device = q.device.clone();
+        let bias_shape = inputs.bias().map(|bias| bias.shape());
         let grads = kernel::backward(
-            q,
-            k,
-            v,
-            inputs,
-            output,
-            lse,
-            grad_output,
+            to_kernel(q),
+            to_kernel(k),
+            to_kernel(v),
+            kernel_inputs(inputs),
+            to_kernel(output),
+            to_kernel(lse),
+            to_kernel(grad_output),
             params,
             options.deterministic,
             bias_grad,
         );
         // The kernel writes the scores' gradient per (batch, head, query); a bias broadcast
         // over some of them gets its sum.
-        let bias = grads.bias.zip(bias_shape).map(|(mut grad, shape)| {
+        let bias = grads.bias.zip(bias_shape).map(|(grad, shape)| {
+            let mut grad = from_kernel(grad, &device);
             for (dim, &size) in shape.iter().enumerate().take(3) {
                 if size == 1 && grad.shape()[dim] != 1 {
                     grad = Self::float_sum_dim(grad, dim);
@@ -87,20 +119,10 @@ where
             grad
         });
         FlashAttentionGrads {
-            q: grads.q,
-            k: grads.k,
-            v: grads.v,
-            bias,
+            q: from_kernel(grads.q, &device),
+            k: from_kernel(grads.k, &device),
+            v: from_kernel(grads.v, &device),
+            bias: bias.map_or(BiasGrad::Absent, BiasGrad::Present),
         }
     }
-}
-
-/// The kernels' view of `options` for these queries and keys.
-fn score_params<R: CubeRuntime>(
-    q: &CubeTensor<R>,
-    k: &CubeTensor<R>,
-    options: &FlashAttentionOptions,
-) -> kernel::ScoreParams {
-    let ([_, heads, seq_q, head_dim], [_, _, seq_k, _]) = (q.shape().dims(), k.shape().dims());
-    kernel::ScoreParams::new(options, heads, head_dim, seq_q, seq_k)
 }

@@ -4,17 +4,17 @@
 
 use core::marker::PhantomData;
 
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Shape, TensorMetadata};
-use burn_fusion::stream::{Operation, OperationStreams};
-use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+use burn::backend::TensorMetadata;
+use burn::backend::tensor::FloatTensor;
+use burn::tensor::{DType, Shape};
+use burn_fusion::custom::{
+    CustomOpIr, HandleContainer, Operation, OperationIr, StreamId, TensorIr,
+};
+use burn_fusion::{ExecutionError, Fusion, FusionBackend, FusionRuntime};
 
 use crate::backend::{
-    FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, FlashAttentionProblem,
-    ScoreInputs,
+    BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, ScoreInputs,
 };
-use crate::kernel::TilePath;
 use crate::options::FlashAttentionOptions;
 
 /// Names of the custom operations in the fusion stream.
@@ -30,18 +30,19 @@ struct Extra {
 }
 
 impl Extra {
-    fn of<B: FusionBackend>(inputs: &ScoreInputs<Fusion<B>>) -> Self {
-        Self {
-            mask: inputs.mask.is_some(),
-            bias: inputs.bias.is_some(),
-        }
-    }
-
-    /// The IR of the inputs, in order.
-    fn irs<B: FusionBackend>(inputs: ScoreInputs<Fusion<B>>) -> Vec<TensorIr> {
-        let mask = inputs.mask.map(|mask| mask.into_ir());
-        let bias = inputs.bias.map(|bias| bias.into_ir());
-        mask.into_iter().chain(bias).collect()
+    /// Which inputs there are, and their IR in order.
+    fn of<B: FusionBackend>(inputs: ScoreInputs<Fusion<B>>) -> (Self, Vec<TensorIr>) {
+        let (mask, bias) = inputs.into_parts();
+        let extra = Self {
+            mask: mask.is_some(),
+            bias: bias.is_some(),
+        };
+        let irs = mask
+            .map(|mask| mask.into_ir())
+            .into_iter()
+            .chain(bias.map(|bias| bias.into_ir()))
+            .collect();
+        (extra, irs)
     }
 
     /// The inner backend's tensors of the inputs described from `irs`.
@@ -57,7 +58,7 @@ impl Extra {
         let bias = self
             .bias
             .then(|| handles.get_float_tensor::<B>(irs.next().expect("bias input")));
-        ScoreInputs { mask, bias }
+        ScoreInputs::new(mask, bias)
     }
 }
 
@@ -74,9 +75,8 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for F
     fn execute(
         &self,
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
-    ) {
+    ) -> Result<(), ExecutionError> {
         let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
-        let (output, lse) = (&outputs[0], &outputs[1]);
         let extra = self.extra.resolve::<B>(&inputs[3..], handles);
         let forward = B::flash_attention_forward(
             handles.get_float_tensor::<B>(&inputs[0]),
@@ -85,8 +85,9 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for F
             extra,
             self.options,
         );
-        handles.register_float_tensor::<B>(&output.id, forward.output);
-        handles.register_float_tensor::<B>(&lse.id, forward.lse);
+        handles.register_float_tensor::<B>(&outputs[0].id, forward.output);
+        handles.register_float_tensor::<B>(&outputs[1].id, forward.lse);
+        Ok(())
     }
 }
 
@@ -105,7 +106,7 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for B
     fn execute(
         &self,
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
-    ) {
+    ) -> Result<(), ExecutionError> {
         let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
         let extra = self.extra.resolve::<B>(&inputs[6..], handles);
         let mut tensor = |at: usize| handles.get_float_tensor::<B>(&inputs[at]);
@@ -124,21 +125,14 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for B
         handles.register_float_tensor::<B>(&outputs[0].id, grads.q);
         handles.register_float_tensor::<B>(&outputs[1].id, grads.k);
         handles.register_float_tensor::<B>(&outputs[2].id, grads.v);
-        if let (Some(ir), Some(grad)) = (outputs.get(3), grads.bias) {
+        if let (Some(ir), Some(grad)) = (outputs.get(3), grads.bias.into_option()) {
             handles.register_float_tensor::<B>(&ir.id, grad);
         }
+        Ok(())
     }
 }
 
 impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<B> {
-    /// Fusion shares its device type with the inner backend, which decides.
-    fn flash_attention_support(
-        device: &B::Device,
-        problem: &FlashAttentionProblem,
-    ) -> Result<TilePath, String> {
-        B::flash_attention_support(device, problem)
-    }
-
     fn flash_attention_forward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -148,26 +142,10 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
     ) -> FlashAttentionForward<Self> {
         let client = q.client.clone();
         let [batch, heads, seq_q, _] = q.shape().dims::<4>();
-        let problem = FlashAttentionProblem::new(
-            q.shape().dims(),
-            k.shape().dims(),
-            v.shape().dims(),
-            q.dtype,
-            options.causal,
-        );
-        // The operation runs later, when the stream executes: refuse unsupported inputs now,
-        // at the caller, not deep inside the stream.
-        if let Err(reason) = B::flash_attention_support(client.device(), &problem) {
-            panic!("flash attention: the fused forward cannot run these inputs: {reason}");
-        }
-
-        let extra = Extra::of(&inputs);
-        let mut streams = OperationStreams::with_inputs([&q, &k, &v]);
-        inputs.mask.iter().for_each(|mask| streams.tensor(mask));
-        inputs.bias.iter().for_each(|bias| streams.tensor(bias));
+        let value_dim = v.shape()[3];
         let output = TensorIr::uninit(
             client.create_empty_handle(),
-            Shape::new([batch, heads, seq_q, problem.value_dim]),
+            Shape::new([batch, heads, seq_q, value_dim]),
             q.dtype,
         );
         let lse = TensorIr::uninit(
@@ -175,8 +153,9 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
             Shape::new([batch, heads, seq_q]),
             DType::F32,
         );
+        let (extra, extra_irs) = Extra::of(inputs);
         let mut irs = vec![q.into_ir(), k.into_ir(), v.into_ir()];
-        irs.extend(Extra::irs(inputs));
+        irs.extend(extra_irs);
         let desc = CustomOpIr::new(FORWARD_OP, &irs, &[output, lse]);
         let op = ForwardOp::<B> {
             desc: desc.clone(),
@@ -185,20 +164,13 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
             _backend: PhantomData,
         };
         let mut outputs = client
-            .register(streams, OperationIr::Custom(desc), op)
+            .register(StreamId::current(), OperationIr::Custom(desc), op)
             .into_iter();
         let (Some(output), Some(lse), None) = (outputs.next(), outputs.next(), outputs.next())
         else {
             unreachable!("the forward registers two outputs");
         };
         FlashAttentionForward { output, lse }
-    }
-
-    fn flash_attention_backward_support(
-        device: &B::Device,
-        problem: &FlashAttentionProblem,
-    ) -> Result<(), String> {
-        B::flash_attention_backward_support(device, problem)
     }
 
     fn flash_attention_backward(
@@ -213,18 +185,15 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
         bias_grad: bool,
     ) -> FlashAttentionGrads<Self> {
         let client = q.client.clone();
-        let extra = Extra::of(&inputs);
-        let bias_grad = bias_grad && extra.bias;
-        let mut streams = OperationStreams::with_inputs([&q, &k, &v, &output, &lse, &grad_output]);
-        inputs.mask.iter().for_each(|mask| streams.tensor(mask));
-        inputs.bias.iter().for_each(|bias| streams.tensor(bias));
         let like = |t: &FloatTensor<Self>| {
             TensorIr::uninit(client.create_empty_handle(), t.shape(), t.dtype)
         };
         let mut outputs = vec![like(&q), like(&k), like(&v)];
-        if let Some(bias) = inputs.bias.as_ref().filter(|_| bias_grad) {
+        let bias_grad = bias_grad && inputs.bias().is_some();
+        if let Some(bias) = inputs.bias().filter(|_| bias_grad) {
             outputs.push(like(bias));
         }
+        let (extra, extra_irs) = Extra::of(inputs);
         let mut irs = vec![
             q.into_ir(),
             k.into_ir(),
@@ -233,7 +202,7 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
             lse.into_ir(),
             grad_output.into_ir(),
         ];
-        irs.extend(Extra::irs(inputs));
+        irs.extend(extra_irs);
         let desc = CustomOpIr::new(BACKWARD_OP, &irs, &outputs);
         let op = BackwardOp::<B> {
             desc: desc.clone(),
@@ -243,7 +212,7 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
             _backend: PhantomData,
         };
         let mut grads = client
-            .register(streams, OperationIr::Custom(desc), op)
+            .register(StreamId::current(), OperationIr::Custom(desc), op)
             .into_iter();
         let (Some(q), Some(k), Some(v)) = (grads.next(), grads.next(), grads.next()) else {
             unreachable!("the backward registers dq, dk and dv");
@@ -252,7 +221,7 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
             q,
             k,
             v,
-            bias: grads.next(),
+            bias: grads.next().map_or(BiasGrad::Absent, BiasGrad::Present),
         }
     }
 }

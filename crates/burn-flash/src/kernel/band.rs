@@ -11,6 +11,7 @@ use super::config::{MaskConfig, TileConfig};
 
 /// Lengths and band offsets of one (batch, head).
 #[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 pub struct Band {
     pub seq_q: usize,
     pub seq_k: usize,

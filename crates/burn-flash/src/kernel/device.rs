@@ -2,14 +2,13 @@
 //! launch plans ([`forward::plan`](super::forward::plan), [`backward::plan`](super::backward::plan))
 //! decide on the host and are unit-tested without a device.
 
-use burn::tensor::DType;
-use burn_cubecl::CubeRuntime;
 use cubecl::features::{MmaConfig, Plane, Tma};
 use cubecl::ir::features::AtomicUsage;
-use cubecl::ir::{ElemType, FloatKind, Type};
+use cubecl::ir::{ElemType, Type};
 use cubecl::prelude::*;
 
 use super::config::TilePath;
+use super::tensors::{BF16, F16, F32};
 
 /// Largest head dim the portable tile unrolls (its query and output rows live in registers).
 const PORTABLE_MAX_DIM: usize = 256;
@@ -40,25 +39,28 @@ pub struct DeviceCaps {
 
 impl DeviceCaps {
     /// The features of `client`'s device for inputs of `dtype`.
-    pub fn of<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType) -> Self {
-        let props = client.properties();
+    pub fn of(client: &Client, dtype: ElemType) -> Self {
+        Self::from_properties(client.properties(), dtype)
+    }
+
+    /// The features of a device with these properties for inputs of `dtype`.
+    pub fn from_properties(props: &DeviceProperties, dtype: ElemType) -> Self {
         let features = &props.features;
-        let elem: StorageType = dtype.into();
+        let elem = dtype;
         let mma = MmaConfig {
             a_type: elem,
             b_type: elem,
-            cd_type: DType::F32.into(),
+            cd_type: F32,
             m: 16,
             n: 8,
             k: 16,
         };
         let adds = |width: usize| {
-            let ty = Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32)))
-                .with_vector_size(width);
+            let ty = Type::atomic(Type::new(F32).with_vector_size(width));
             props.atomic_type_usage(ty).contains(AtomicUsage::Add)
         };
         Self {
-            stores_dtype: features.types.storage.contains_key(&elem),
+            stores_dtype: features.types.elem.contains_key(&elem),
             tensor_cores: features.matmul.mma.contains(&mma)
                 && features.matmul.ldmatrix.contains(&elem)
                 && features.copy_async
@@ -109,17 +111,17 @@ impl DeviceCaps {
     /// built for; else the portable tile. `Err` says why neither runs.
     pub fn tile(
         &self,
-        dtype: DType,
+        dtype: ElemType,
         head_dim: usize,
         value_dim: usize,
     ) -> Result<TilePath, String> {
-        if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
+        if ![F16, BF16, F32].contains(&dtype) {
             return Err(format!("dtype {dtype:?} is not f16, bf16 or f32"));
         }
         if !self.stores_dtype {
             return Err(format!("dtype {dtype:?} is not supported by this runtime"));
         }
-        if dtype != DType::F32 && self.tensor_cores {
+        if dtype != F32 && self.tensor_cores {
             if !TENSOR_CORE_DIMS.contains(&head_dim) || !TENSOR_CORE_DIMS.contains(&value_dim) {
                 return Err(format!(
                     "the tensor-core kernel supports head dims {TENSOR_CORE_DIMS:?} (q/k {head_dim}, v {value_dim})"

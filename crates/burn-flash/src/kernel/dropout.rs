@@ -23,6 +23,7 @@ use super::tile::AttentionTile;
 
 /// The seed of one call and the keep rule, for every head.
 #[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 pub struct Dropout {
     seed_lo: u32,
     seed_hi: u32,

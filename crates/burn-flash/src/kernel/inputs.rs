@@ -20,6 +20,7 @@ use super::tile::AttentionTile;
 
 /// Where one (batch, head) starts in a broadcast input and how far apart its query rows are.
 #[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 pub struct Broadcast {
     pub base: usize,
     pub row_stride: usize,
@@ -46,7 +47,7 @@ fn element(at: Broadcast, band: Band, query: usize, key: usize) -> usize {
 /// Whether the mask input, if any, lets `query` see `key` (both within the sequences).
 #[cube]
 pub fn mask_allows<M: Int>(
-    mask: &ComptimeOption<Tensor<M>>,
+    mask: ComptimeOption<&Tensor<M>>,
     at: Broadcast,
     band: Band,
     query: usize,
@@ -68,7 +69,7 @@ pub fn mask_allows<M: Int>(
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn mask_input_allows<E: Float, M: Int, T: AttentionTile<E>>(
-    mask: &ComptimeOption<Tensor<M>>,
+    mask: ComptimeOption<&Tensor<M>>,
     at: Broadcast,
     band: Band,
     q_start: usize,
@@ -101,7 +102,7 @@ pub fn mask_input_allows<E: Float, M: Int, T: AttentionTile<E>>(
 #[cube]
 pub fn hide_staged<E: Float, M: Int, T: AttentionTile<E>>(
     scores: &mut Array<f32>,
-    stages: &SharedMemory<M>,
+    stages: &Shared<[M]>,
     staged_base: usize,
     fill: f32,
     #[comptime] cfg: TileConfig,
@@ -148,7 +149,7 @@ pub fn hide_staged<E: Float, M: Int, T: AttentionTile<E>>(
 /// hidden-block flags ([`pack`](super::pack)), if there are any (0 otherwise).
 #[cube]
 pub fn hidden_row(
-    hidden_blocks: &ComptimeOption<Tensor<u32>>,
+    hidden_blocks: ComptimeOption<&Tensor<u32>>,
     batch: usize,
     head: usize,
     q_block: usize,
@@ -165,7 +166,7 @@ pub fn hidden_row(
 /// ([`hidden_row`]) sees by its packed mask to the last; unchanged without one.
 #[cube]
 pub fn visible_range(
-    hidden_blocks: &ComptimeOption<Tensor<u32>>,
+    hidden_blocks: ComptimeOption<&Tensor<u32>>,
     row: usize,
     first: usize,
     end: usize,
@@ -186,7 +187,7 @@ pub fn visible_range(
 /// its packed mask; always without one.
 #[cube]
 pub fn block_visible(
-    hidden_blocks: &ComptimeOption<Tensor<u32>>,
+    hidden_blocks: ComptimeOption<&Tensor<u32>>,
     row: usize,
     block: usize,
 ) -> bool {
@@ -212,7 +213,7 @@ pub struct PackedBlock {
 /// else a placeholder that hides nothing.
 #[cube]
 pub fn packed_block<E: Float, M: Int, T: AttentionTile<E>>(
-    stages: &ComptimeOption<SharedMemory<M>>,
+    stages: &ComptimeOption<Shared<[M]>>,
     staged_base: usize,
     #[comptime] cfg: TileConfig,
 ) -> PackedBlock {
@@ -302,7 +303,7 @@ pub fn pair_of<E: Float, T: AttentionTile<E>>(
 #[allow(clippy::too_many_arguments)]
 pub fn add_bias<E: Float, T: AttentionTile<E>>(
     scores: &mut Array<f32>,
-    bias: &ComptimeOption<Tensor<E>>,
+    bias: ComptimeOption<&Tensor<E>>,
     at: Broadcast,
     band: Band,
     q_start: usize,
@@ -347,10 +348,10 @@ pub fn input_stages<N: CubePrimitive>(
     #[comptime] chunk: Option<usize>,
     #[comptime] len: usize,
     #[comptime] stages: usize,
-) -> ComptimeOption<SharedMemory<N>> {
+) -> ComptimeOption<Shared<[N]>> {
     if comptime!(chunk.is_some()) {
         let len = comptime!(stages * len);
-        ComptimeOption::new_Some(SharedMemory::<N>::new_aligned(len, SMEM_ALIGN))
+        ComptimeOption::new_Some(Shared::<[N]>::new_aligned_slice(len, SMEM_ALIGN))
     } else {
         ComptimeOption::new_None()
     }
@@ -370,7 +371,7 @@ pub fn copy_input_async<N: CubePrimitive>(
     band: Band,
     q_start: usize,
     kv_start: usize,
-    stage: &mut SharedMemory<N>,
+    stage: &mut Shared<[N]>,
     stage_base: usize,
     #[comptime] rows: usize,
     #[comptime] chunk: usize,
@@ -431,7 +432,7 @@ pub fn copy_packed_async<M: Int>(
     at: Broadcast,
     q_start: usize,
     kv_start: usize,
-    stage: &mut SharedMemory<M>,
+    stage: &mut Shared<[M]>,
     stage_base: usize,
     #[comptime] cfg: TileConfig,
 ) {
@@ -444,8 +445,8 @@ pub fn copy_packed_async<M: Int>(
         if comptime!(chunks.is_multiple_of(units)) || id < chunks {
             let offset = id * 4;
             copy_async_checked(
-                &packed.slice(src + offset, src + offset + 4),
-                &mut stage.slice_mut(stage_base + offset, stage_base + offset + 4),
+                packed.slice(src + offset, src + offset + 4),
+                stage.slice_mut(stage_base + offset, stage_base + offset + 4),
                 4u32,
             );
         }
@@ -458,10 +459,10 @@ pub fn copy_packed_async<M: Int>(
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn fetch_inputs<E: Float, M: Int>(
-    mask: &ComptimeOption<Tensor<M>>,
-    bias: &ComptimeOption<Tensor<E>>,
-    mask_stages: &mut ComptimeOption<SharedMemory<M>>,
-    bias_stages: &mut ComptimeOption<SharedMemory<E>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    bias: ComptimeOption<&Tensor<E>>,
+    mask_stages: &mut ComptimeOption<Shared<[M]>>,
+    bias_stages: &mut ComptimeOption<Shared<[E]>>,
     views: Views,
     band: Band,
     q_start: usize,
@@ -504,8 +505,8 @@ pub fn fetch_inputs<E: Float, M: Int>(
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn fetch_bias<E: Float>(
-    bias: &ComptimeOption<Tensor<E>>,
-    bias_stages: &mut ComptimeOption<SharedMemory<E>>,
+    bias: ComptimeOption<&Tensor<E>>,
+    bias_stages: &mut ComptimeOption<Shared<[E]>>,
     views: Views,
     band: Band,
     q_start: usize,
@@ -542,9 +543,9 @@ pub fn alibi_slope(head: usize, pow2: u32) -> f32 {
     let c = f32::cast_from(pow2);
     let h = f32::cast_from(head);
     let exponent = select(
-        head < pow2 as usize,
-        -8.0 * (h + 1.0) / c,
-        -4.0 * (2.0 * (h - c) + 1.0) / c,
+        head < usize::cast_from(pow2),
+        -8.0f32 * (h + 1.0) / c,
+        -4.0f32 * (2.0 * (h - c) + 1.0) / c,
     );
     (exponent * core::f32::consts::LN_2).exp()
 }
@@ -555,7 +556,7 @@ pub fn alibi_slope(head: usize, pow2: u32) -> f32 {
 #[allow(clippy::too_many_arguments)]
 pub fn write_bias_grad<E: Float, T: AttentionTile<E>>(
     grads: &Array<f32>,
-    d_bias: &mut ComptimeOption<Tensor<E>>,
+    d_bias: &mut ComptimeOption<&mut Tensor<E>>,
     batch: usize,
     head: usize,
     band: Band,
@@ -565,12 +566,14 @@ pub fn write_bias_grad<E: Float, T: AttentionTile<E>>(
 ) {
     #[comptime]
     if let ComptimeOption::Some(d_bias) = d_bias {
-        let at = broadcast::<E>(d_bias, batch, head);
+        // Method calls reach the tensor through the option's reference; an argument could not.
+        let base = batch * d_bias.stride(0) + head * d_bias.stride(1);
+        let row_stride = d_bias.stride(2);
         #[unroll]
         for reg in 0..cfg.score_regs() {
             let (query, key) = pair_of::<E, T>(q_start, kv_start, reg, false, cfg);
             if query < band.seq_q && key < band.seq_k {
-                d_bias[at.base + query * at.row_stride + key] = E::cast_from(grads[reg]);
+                d_bias[base + query * row_stride + key] = E::cast_from(grads[reg]);
             }
         }
     }
@@ -578,6 +581,7 @@ pub fn write_bias_grad<E: Float, T: AttentionTile<E>>(
 
 /// The views of (batch, head) in the mask and the bias inputs (unused where absent).
 #[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 pub struct Views {
     pub mask: Broadcast,
     pub bias: Broadcast,
@@ -586,8 +590,8 @@ pub struct Views {
 #[cube]
 impl Views {
     pub fn new<E: Float, M: Int>(
-        mask: &ComptimeOption<Tensor<M>>,
-        bias: &ComptimeOption<Tensor<E>>,
+        mask: ComptimeOption<&Tensor<M>>,
+        bias: ComptimeOption<&Tensor<E>>,
         batch: usize,
         head: usize,
     ) -> Views {

@@ -16,8 +16,8 @@ use super::tile::AttentionTile;
 #[allow(clippy::too_many_arguments)]
 pub fn apply_mask<E: Float, M: Int, T: AttentionTile<E>>(
     scores: &mut Array<f32>,
-    mask: &ComptimeOption<Tensor<M>>,
-    staged: &ComptimeOption<SharedMemory<M>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    staged: &ComptimeOption<Shared<[M]>>,
     staged_base: usize,
     at: Broadcast,
     band: Band,

@@ -7,11 +7,12 @@
 //! `dropout`, `grid`, then the two passes, `forward` and `backward`. Host side: `tuning`
 //! (environment overrides), `device` (the device's features), `tensors`, `pack`, and in each
 //! pass a `plan` (what runs, decided on the host and unit-tested there) and a `launch` (what is
-//! allocated and enqueued).
+//! allocated and enqueued). `sources` creates the fused launches' kernels without a client,
+//! for tools that compile them without the device.
 
 mod backward;
 mod band;
-pub(crate) mod config;
+mod config;
 mod device;
 mod dropout;
 mod forward;
@@ -20,12 +21,17 @@ mod inputs;
 mod mask;
 mod pack;
 mod softmax;
+#[doc(hidden)]
+pub mod sources;
 mod stage;
 mod tensors;
 mod tile;
 mod tuning;
 
-pub use backward::{backward, backward_support};
+#[cfg(test)]
+mod tests;
+
+pub use backward::{Grads, backward, backward_support};
 pub use config::{ScoreParams, TilePath};
 pub use forward::{forward, support};
-pub use tensors::ScoreInputs;
+pub use tensors::{KernelTensor, ScoreInputs};

@@ -14,12 +14,11 @@
 //! first KV block it sees and one past the last (`blocks, 0` when it sees none), so that the
 //! forward walks only that range.
 
-use burn::tensor::{DType, Shape};
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
-use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
+use cubecl::ir::ElemType;
 use cubecl::prelude::*;
+use cubecl::zspace::Shape;
 
-use super::tensors::{address_type, vector_width};
+use super::tensors::{KernelTensor, U32, address_type, vector_width};
 
 /// One unit per packed word; consecutive units take consecutive words of a query row, so a
 /// plane reads a row's mask contiguously, `N` elements per load.
@@ -28,7 +27,7 @@ fn pack_mask_kernel<M: Int, N: Size>(
     mask: &Tensor<Vector<M, N>>,
     packed: &mut Tensor<u32>,
     #[comptime] words: usize,
-    #[define(M)] _dtype: StorageType,
+    #[define(M)] _dtype: ElemType,
 ) {
     let width = mask.vector_size();
     if ABSOLUTE_POS < packed.len() {
@@ -52,7 +51,7 @@ fn pack_mask_kernel<M: Int, N: Size>(
                     let values = mask[(base + key) / width];
                     #[unroll]
                     for e in 0..width {
-                        let hidden = u32::cast_from(values[e] & M::new(1));
+                        let hidden = u32::cast_from(values.extract(e) & M::new(1));
                         bits |= hidden << comptime!((part * width + e) as u32);
                     }
                 } else {
@@ -101,7 +100,7 @@ fn hidden_blocks_kernel<N: Size>(
             let words = packed[start + at];
             #[unroll]
             for e in 0..width {
-                all &= words[e];
+                all &= words.extract(e);
             }
             // One visible pair settles it (most blocks of most masks).
             if all != 0xFFFF_FFFFu32 {
@@ -117,8 +116,8 @@ fn hidden_blocks_kernel<N: Size>(
         kv_block += units;
     }
 
-    let mut firsts = SharedMemory::<u32>::new(units);
-    let mut ends = SharedMemory::<u32>::new(units);
+    let mut firsts = Shared::<[u32]>::new_slice(units);
+    let mut ends = Shared::<[u32]>::new_slice(units);
     firsts[unit] = first;
     ends[unit] = end;
     sync_cube();
@@ -138,18 +137,14 @@ fn hidden_blocks_kernel<N: Size>(
 }
 
 /// A mask packed for the forward: its words and its wholly hidden blocks (module docs).
-pub(crate) struct PackedMask<R: CubeRuntime> {
-    pub words: CubeTensor<R>,
-    pub hidden_blocks: CubeTensor<R>,
+pub(crate) struct PackedMask {
+    pub words: KernelTensor,
+    pub hidden_blocks: KernelTensor,
 }
 
 /// `mask` (`[b|1, h|1, seq_q, seq_k]` contiguous integers, bit 0 set where hidden) packed for a
 /// forward of `block_q`-row query blocks over `block_kv`-key blocks (a multiple of 32).
-pub(crate) fn pack_mask<R: CubeRuntime>(
-    mask: &CubeTensor<R>,
-    block_q: usize,
-    block_kv: usize,
-) -> PackedMask<R> {
+pub(crate) fn pack_mask(mask: &KernelTensor, block_q: usize, block_kv: usize) -> PackedMask {
     let words = pack_words(mask, block_q, block_kv);
     let hidden_blocks = hidden_blocks(&words, block_q, block_kv);
     PackedMask {
@@ -158,11 +153,7 @@ pub(crate) fn pack_mask<R: CubeRuntime>(
     }
 }
 
-fn pack_words<R: CubeRuntime>(
-    mask: &CubeTensor<R>,
-    block_q: usize,
-    block_kv: usize,
-) -> CubeTensor<R> {
+fn pack_words(mask: &KernelTensor, block_q: usize, block_kv: usize) -> KernelTensor {
     let dims = mask.meta.shape().clone();
     let (seq_q, seq_k) = (dims[2], dims[3]);
     let words = block_kv / 32;
@@ -172,8 +163,7 @@ fn pack_words<R: CubeRuntime>(
         seq_k.div_ceil(block_kv),
         seq_q.div_ceil(block_q) * block_q * words,
     ]);
-    let packed =
-        empty_device_contiguous_dtype(mask.client.clone(), mask.device.clone(), shape, DType::U32);
+    let packed = KernelTensor::empty(&mask.client, shape, U32);
     let units = packed.meta.num_elements();
     if units == 0 {
         return packed;
@@ -193,28 +183,19 @@ fn pack_words<R: CubeRuntime>(
             mask.clone().into_tensor_arg(),
             packed.clone().into_tensor_arg(),
             words,
-            mask.dtype.into(),
+            mask.dtype,
         );
     }
     packed
 }
 
-fn hidden_blocks<R: CubeRuntime>(
-    packed: &CubeTensor<R>,
-    block_q: usize,
-    block_kv: usize,
-) -> CubeTensor<R> {
+fn hidden_blocks(packed: &KernelTensor, block_q: usize, block_kv: usize) -> KernelTensor {
     const UNITS: usize = 128;
     let dims = packed.meta.shape().clone();
     let block_words = block_q * block_kv / 32;
     let q_blocks = dims[3] / block_words;
     let shape = Shape::new([dims[0], dims[1], q_blocks, dims[2] + 2]);
-    let hidden = empty_device_contiguous_dtype(
-        packed.client.clone(),
-        packed.device.clone(),
-        shape,
-        DType::U32,
-    );
+    let hidden = KernelTensor::empty(&packed.client, shape, U32);
     if hidden.meta.num_elements() == 0 {
         return hidden;
     }
@@ -238,110 +219,4 @@ fn hidden_blocks<R: CubeRuntime>(
         );
     }
     hidden
-}
-
-#[cfg(test)]
-mod tests {
-    //! The packing kernel on the bare wgpu backend (lavapipe in CI), against the bits computed
-    //! here from the mask's values.
-    use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
-    use burn::tensor::{Bool, Distribution, Int, Tensor, TensorData};
-    use burn_cubecl::CubeBackend;
-    use burn_cubecl::tensor::CubeTensor;
-
-    use crate::kernel::tensors::ScoreInputs;
-
-    type B = CubeBackend<WgpuRuntime, f32, i32, u32>;
-
-    #[test]
-    fn packs_a_bit_per_pair_by_kv_block() {
-        let device = WgpuDevice::default();
-        // (mask dims, block_q, block_kv, documents): keys past a block's end, odd key counts
-        // (one element per load) and multiples of 4 (vectors), rows past the last query block,
-        // broadcasts; with documents (query i sees keys of run i / 10 only, 30 % of those
-        // hidden at random), blocks the mask hides wholly.
-        for &(dims, block_q, block_kv, documents) in &[
-            ([2usize, 1, 70, 100], 32usize, 64usize, false),
-            ([1, 3, 5, 33], 16, 32, false),
-            ([1, 1, 128, 64], 128, 64, false),
-            ([2, 2, 9, 256], 128, 128, false),
-            ([1, 2, 100, 300], 16, 32, true),
-            ([2, 1, 70, 333], 32, 64, true),
-        ] {
-            let [_, _, sq, sk] = dims;
-            let uniform = Tensor::<B, 4>::random(dims, Distribution::Uniform(0.0, 1.0), &device);
-            let values: Vec<bool> = uniform
-                .to_data()
-                .iter::<f32>()
-                .enumerate()
-                .map(|(n, u)| u < 0.3 || (documents && (n / sk % sq) / 10 != (n % sk) / 37))
-                .collect();
-            let mask =
-                Tensor::<B, 4, Bool>::from_data(TensorData::new(values.clone(), dims), &device);
-            let inputs = ScoreInputs::new(Some(mask.into_primitive()), None);
-            let packed = super::pack_mask(inputs.mask.as_ref().unwrap(), block_q, block_kv);
-            let read = |t: CubeTensor<WgpuRuntime>| {
-                let dims = t.meta.shape().clone();
-                let values = Tensor::<B, 4, Int>::from_primitive(t)
-                    .to_data()
-                    .convert::<u32>()
-                    .to_vec::<u32>()
-                    .unwrap();
-                (dims, values)
-            };
-            let (packed_dims, got) = read(packed.words);
-            let (hidden_dims, hidden) = read(packed.hidden_blocks);
-
-            let [b, h, _, _] = dims;
-            let (words, blocks) = (block_kv / 32, sk.div_ceil(block_kv));
-            let rows = sq.div_ceil(block_q) * block_q;
-            assert_eq!(packed_dims[..], [b, h, blocks, rows * words]);
-            let mut expected = Vec::with_capacity(got.len());
-            for plane in 0..b * h {
-                for block in 0..blocks {
-                    for row in 0..rows {
-                        for word in 0..words {
-                            let mut bits = 0u32;
-                            for bit in 0..32 {
-                                let key = block * block_kv + word * 32 + bit;
-                                let hidden =
-                                    row >= sq || key >= sk || values[(plane * sq + row) * sk + key];
-                                bits |= u32::from(hidden) << bit;
-                            }
-                            expected.push(bits);
-                        }
-                    }
-                }
-            }
-            assert_eq!(got, expected, "mask {dims:?}, blocks {block_q}×{block_kv}");
-
-            // A block is hidden when no query row of it below `sq` sees a key below `sk`; each
-            // row of flags ends with the first visible block and one past the last.
-            let q_blocks = rows / block_q;
-            assert_eq!(hidden_dims[..], [b, h, q_blocks, blocks + 2]);
-            let mut expected_hidden = Vec::new();
-            for plane in 0..b * h {
-                for q_block in 0..q_blocks {
-                    let flags: Vec<u32> = (0..blocks)
-                        .map(|block| {
-                            let sees = |row: usize| {
-                                (0..block_kv)
-                                    .map(|col| block * block_kv + col)
-                                    .any(|key| key < sk && !values[(plane * sq + row) * sk + key])
-                            };
-                            let all = !(q_block * block_q..(q_block + 1) * block_q)
-                                .any(|row| row < sq && sees(row));
-                            u32::from(all)
-                        })
-                        .collect();
-                    let visible = || (0..blocks).filter(|&block| flags[block] == 0);
-                    let first = visible().next().unwrap_or(blocks);
-                    let end = visible().next_back().map_or(0, |block| block + 1);
-                    expected_hidden.extend(flags.iter().copied());
-                    expected_hidden.extend([first as u32, end as u32]);
-                }
-            }
-            assert_eq!(hidden, expected_hidden, "mask {dims:?}, hidden blocks");
-        }
-    }
 }

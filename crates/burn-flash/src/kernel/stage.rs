@@ -73,7 +73,7 @@ pub fn copy_block_async<E: Float>(
     row_stride: usize,
     first_row: usize,
     seq: usize,
-    stage: &mut SharedMemory<E>,
+    stage: &mut Shared<[E]>,
     stage_base: usize,
     #[comptime] rows: usize,
     #[comptime] width: usize,
@@ -150,7 +150,7 @@ fn copy_chunk<E: Float>(
     row_stride: usize,
     global_row: usize,
     seq: usize,
-    stage: &mut SharedMemory<E>,
+    stage: &mut Shared<[E]>,
     dst: usize,
 ) {
     let in_bounds = global_row < seq;
@@ -166,14 +166,14 @@ pub fn copy_or_zero_fill<N: CubePrimitive>(
     src: &Tensor<N>,
     src_start: usize,
     in_bounds: bool,
-    stage: &mut SharedMemory<N>,
+    stage: &mut Shared<[N]>,
     dst: usize,
     #[comptime] len: usize,
 ) {
     let src_len = select(in_bounds, len, 0usize);
     copy_async_checked(
-        &src.slice(src_start, src_start + src_len),
-        &mut stage.slice_mut(dst, dst + len),
+        src.slice(src_start, src_start + src_len),
+        stage.slice_mut(dst, dst + len),
         len as u32,
     );
 }
@@ -195,8 +195,8 @@ pub fn fetch_stage<E: Float>(
     second_row_stride: usize,
     first_row: usize,
     seq: usize,
-    first_stages: &mut SharedMemory<E>,
-    second_stages: &mut SharedMemory<E>,
+    first_stages: &mut Shared<[E]>,
+    second_stages: &mut Shared<[E]>,
     stage: usize,
     #[comptime] cfg: TileConfig,
 ) {
@@ -241,8 +241,8 @@ pub fn fetch_stage_tma<E: Float>(
     batch: usize,
     head: usize,
     first_row: usize,
-    first_stages: &mut SharedMemory<E>,
-    second_stages: &mut SharedMemory<E>,
+    first_stages: &mut Shared<[E]>,
+    second_stages: &mut Shared<[E]>,
     stage: usize,
     barriers: &StageBarriers,
     #[comptime] cfg: TileConfig,
@@ -250,7 +250,7 @@ pub fn fetch_stage_tma<E: Float>(
     if UNIT_POS == 0 {
         let first_len = comptime!(cfg.block_kv * cfg.head_stride());
         let second_len = comptime!(cfg.block_kv * cfg.value_stride());
-        let size = E::type_size();
+        let size = E::size();
         let bytes = comptime!((first_len + second_len) * size) as u32;
         let at = (batch as i32, head as i32, first_row as i32);
         let bases = (stage * first_len, stage * second_len);
@@ -290,8 +290,8 @@ fn load_maps<E: Float>(
     barrier: &Barrier,
     first: &TensorMap<E, Tiled>,
     second: &TensorMap<E, Tiled>,
-    first_stages: &mut SharedMemory<E>,
-    second_stages: &mut SharedMemory<E>,
+    first_stages: &mut Shared<[E]>,
+    second_stages: &mut Shared<[E]>,
     bases: (usize, usize),
     at: (i32, i32, i32),
     bytes: u32,
@@ -306,11 +306,10 @@ fn load_maps<E: Float>(
     for p in 0..comptime!(cfg.head_dim / cols) {
         let col = comptime!(p * cols) as i32;
         let start = comptime!(p * panel);
-        let mut first_dst = first_stages.slice_mut(first_base + start, first_base + start + panel);
-        barrier.tma_load_4d(first, &mut first_dst, batch, head, row, col);
-        let mut second_dst =
-            second_stages.slice_mut(second_base + start, second_base + start + panel);
-        barrier.tma_load_4d(second, &mut second_dst, batch, head, row, col);
+        let first_dst = first_stages.slice_mut(first_base + start, first_base + start + panel);
+        barrier.tma_load_4d(first, first_dst, batch, head, row, col);
+        let second_dst = second_stages.slice_mut(second_base + start, second_base + start + panel);
+        barrier.tma_load_4d(second, second_dst, batch, head, row, col);
     }
 }
 
@@ -385,7 +384,7 @@ pub fn load_block<E: Float>(
     head_base: usize,
     first_row: usize,
     seq: usize,
-    stage: &mut SharedMemory<E>,
+    stage: &mut Shared<[E]>,
     #[comptime] rows: usize,
     #[comptime] width: usize,
     #[comptime] units: usize,

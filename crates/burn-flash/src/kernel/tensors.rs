@@ -1,41 +1,204 @@
-//! Host-side tensors of a launch: the score inputs as the kernels read them, the outputs
-//! (poisoned for tests), tensor maps of the staged operands, vector and address widths.
+//! Host-side tensors of a launch: the tensor type the kernels take, the score inputs as the
+//! kernels read them, the outputs (poisoned for tests), tensor maps of the staged operands, vector
+//! and address widths.
 
-use burn::tensor::{BoolStore, DType, Shape};
-use burn_cubecl::kernel::{bool_cast, into_contiguous};
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
-use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
+use cubecl::ir::{ElemType, FloatKind, UIntKind};
 use cubecl::prelude::*;
+use cubecl::server::Handle;
+use cubecl::std::tensor::{TensorHandle, into_contiguous};
 use cubecl::tensor_vector_size_parallel;
+use cubecl::zspace::metadata::Metadata;
+use cubecl::zspace::{Shape, Strides};
 
 use super::config::{CHUNK, TileConfig};
 
-/// The mask and bias inputs of a launch, contiguous, the mask's booleans as integers.
-#[derive(Clone, Debug)]
-pub struct ScoreInputs<R: CubeRuntime> {
-    /// `[b|1, h|1, sq|1, sk]`, `true` (bit 0 set) hides the pair.
-    pub mask: Option<CubeTensor<R>>,
-    /// `[b|1, h|1, sq|1, sk]`, in the inputs' dtype.
-    pub bias: Option<CubeTensor<R>>,
+/// f32, the dtype of the log-sum-exp, of the row dots and of the atomic dQ's accumulator.
+pub const F32: ElemType = ElemType::Float(FloatKind::F32);
+/// f16.
+pub const F16: ElemType = ElemType::Float(FloatKind::F16);
+/// bf16.
+pub const BF16: ElemType = ElemType::Float(FloatKind::BF16);
+/// u8, the dtype a mask is read as when there is none.
+pub const U8: ElemType = ElemType::UInt(UIntKind::U8);
+/// u32, the dtype of a packed mask.
+pub const U32: ElemType = ElemType::UInt(UIntKind::U32);
+
+/// A tensor on a CubeCL device as the kernels take it: the client of its device, its buffer,
+/// shape and strides (in elements), and its dtype. Burn's `CubeTensor` has the same fields.
+#[derive(Clone)]
+pub struct KernelTensor {
+    /// The client of the tensor's device.
+    pub client: Client,
+    /// The buffer holding the elements.
+    pub handle: Handle,
+    /// Shape and strides.
+    pub meta: Box<Metadata>,
+    /// The element type.
+    pub dtype: ElemType,
 }
 
-impl<R: CubeRuntime> ScoreInputs<R> {
-    /// These inputs as broadcasts ([`broadcast_view`]), made contiguous; a mask stored as native
-    /// booleans becomes u8.
-    pub fn new(mask: Option<CubeTensor<R>>, bias: Option<CubeTensor<R>>) -> Self {
-        let mask = mask.map(broadcast_view).map(|mask| match mask.dtype {
-            DType::Bool(BoolStore::Native) => bool_cast(mask, DType::U8),
-            _ => mask,
-        });
+impl core::fmt::Debug for KernelTensor {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("KernelTensor")
+            .field("shape", self.meta.shape())
+            .field("strides", self.meta.strides())
+            .field("dtype", &self.dtype)
+            .finish()
+    }
+}
+
+impl KernelTensor {
+    /// A tensor over `handle` with this shape and these strides.
+    pub fn new(
+        client: Client,
+        handle: Handle,
+        shape: impl Into<Shape>,
+        strides: impl Into<Strides>,
+        dtype: ElemType,
+    ) -> Self {
         Self {
-            mask,
+            client,
+            handle,
+            meta: Box::new(Metadata::new(shape, strides)),
+            dtype,
+        }
+    }
+
+    /// A new contiguous tensor of this shape (row-major, rows unpadded), its elements not
+    /// initialised. Not `TensorHandle::empty`: CubeCL 0.12 pads the rows of that one to a power
+    /// of two bytes, up to the device's allocation alignment (512 bytes on CUDA), and the
+    /// kernels index their scratch (the atomic dQ's accumulator, the tail's partial sums, the
+    /// packed masks) as unpadded rows: at head dim 96 the padded accumulator took dQ's atomics
+    /// at the wrong rows.
+    pub fn empty(client: &Client, shape: impl Into<Shape>, dtype: ElemType) -> Self {
+        let shape: Shape = shape.into();
+        // One byte at least: a buffer of none is not allocated everywhere.
+        let bytes = (shape.iter().product::<usize>() * dtype.size()).max(1);
+        let handle = TensorHandle::new_contiguous(shape, client.empty(bytes), dtype);
+        Self::from_handle(client.clone(), handle)
+    }
+
+    /// A new tensor of this shape holding `values`, row-major.
+    ///
+    /// # Panics
+    ///
+    /// If `values` does not hold one element per position of `shape`.
+    pub fn from_values<E: CubeElement + Scalar>(
+        client: &Client,
+        values: &[E],
+        shape: impl Into<Shape>,
+    ) -> Self {
+        let shape: Shape = shape.into();
+        assert_eq!(
+            values.len(),
+            shape.iter().product::<usize>(),
+            "one value per element"
+        );
+        let layout =
+            client.create_tensor_from_slice(E::as_bytes(values), shape.clone(), size_of::<E>());
+        Self::new(
+            client.clone(),
+            layout.memory,
+            shape,
+            layout.strides,
+            E::elem_type_native(),
+        )
+    }
+
+    /// A new f32 tensor of this shape holding `values`, row-major.
+    pub fn from_f32(client: &Client, values: &[f32], shape: impl Into<Shape>) -> Self {
+        Self::from_values(client, values, shape)
+    }
+
+    /// The elements, row-major, read back to the host (waits for the device).
+    ///
+    /// # Panics
+    ///
+    /// If `E` is not the tensor's dtype or the device cannot be read.
+    pub fn read<E: CubeElement + Scalar>(&self) -> Vec<E> {
+        assert_eq!(E::elem_type_native(), self.dtype, "read as its own dtype");
+        let contiguous = self.clone().into_contiguous();
+        let client = contiguous.client.clone();
+        let bytes =
+            client.read_one_unchecked_tensor(contiguous.into_handle().into_copy_descriptor());
+        E::from_bytes(&bytes).to_vec()
+    }
+
+    /// A tensor of `client`'s device from CubeCL's own tensor handle.
+    pub fn from_handle(client: Client, handle: TensorHandle) -> Self {
+        Self {
+            client,
+            handle: handle.handle,
+            meta: handle.metadata,
+            dtype: handle.dtype,
+        }
+    }
+
+    /// This tensor as CubeCL's own tensor handle.
+    pub fn into_handle(self) -> TensorHandle {
+        TensorHandle::from_metadata(self.handle, *self.meta, self.dtype)
+    }
+
+    /// The kernel argument that reads and writes this tensor.
+    pub fn into_tensor_arg(self) -> TensorArg {
+        self.into_handle().into_arg()
+    }
+
+    /// The address width every index into this tensor's buffer fits.
+    pub fn required_address_type(&self) -> AddressType {
+        AddressType::from_len(self.handle.size() as usize / self.dtype.size())
+    }
+
+    /// Whether the elements lie row after row with no gap.
+    pub fn is_contiguous(&self) -> bool {
+        cubecl::std::tensor::is_contiguous(self.meta.shape(), self.meta.strides())
+    }
+
+    /// This tensor, copied into a contiguous one where it is not.
+    pub fn into_contiguous(self) -> Self {
+        if self.is_contiguous() {
+            return self;
+        }
+        let client = self.client.clone();
+        let dtype = self.dtype;
+        let copy = into_contiguous(&client, self.into_handle().binding(), dtype);
+        Self::from_handle(client, copy)
+    }
+}
+
+/// The mask and bias inputs of a launch, contiguous, the mask's booleans as integers.
+#[derive(Clone, Debug)]
+pub struct ScoreInputs {
+    /// `[b|1, h|1, sq|1, sk]`, `true` (bit 0 set) hides the pair.
+    pub mask: Option<KernelTensor>,
+    /// `[b|1, h|1, sq|1, sk]`, in the inputs' dtype.
+    pub bias: Option<KernelTensor>,
+}
+
+impl ScoreInputs {
+    /// These inputs as broadcasts ([`broadcast_view`]), made contiguous. The mask holds
+    /// integers (a runtime's booleans are cast to integers by the caller).
+    ///
+    /// # Panics
+    ///
+    /// If the mask's dtype is not an integer type.
+    pub fn new(mask: Option<KernelTensor>, bias: Option<KernelTensor>) -> Self {
+        if let Some(mask) = &mask {
+            assert!(
+                matches!(mask.dtype, ElemType::UInt(_) | ElemType::Int(_)),
+                "a mask is read as integers, not {:?}",
+                mask.dtype
+            );
+        }
+        Self {
+            mask: mask.map(broadcast_view),
             bias: bias.map(broadcast_view),
         }
     }
 
     /// The facts of these inputs the plans decide on.
     pub(crate) fn facts(&self) -> ScoreFacts {
-        let facts = |t: &CubeTensor<R>| {
+        let facts = |t: &KernelTensor| {
             let dims = t.meta.shape();
             InputFacts {
                 elem_size: t.dtype.size(),
@@ -54,11 +217,8 @@ impl<R: CubeRuntime> ScoreInputs<R> {
     }
 
     /// The integer type the kernels read the mask as (u8 when there is none).
-    pub(crate) fn mask_dtype(&self) -> StorageType {
-        self.mask
-            .as_ref()
-            .map_or(DType::U8, |mask| mask.dtype)
-            .into()
+    pub(crate) fn mask_dtype(&self) -> ElemType {
+        self.mask.as_ref().map_or(U8, |mask| mask.dtype)
     }
 
     /// The address width the kernels need to index the mask and bias.
@@ -66,19 +226,19 @@ impl<R: CubeRuntime> ScoreInputs<R> {
         address_type(&self.mask.iter().chain(&self.bias).collect::<Vec<_>>())
     }
 
-    pub(crate) fn mask_arg(&self) -> Option<TensorArg<R>> {
-        self.mask.clone().map(CubeTensor::into_tensor_arg)
+    pub(crate) fn mask_arg(&self) -> Option<TensorArg> {
+        self.mask.clone().map(KernelTensor::into_tensor_arg)
     }
 
-    pub(crate) fn bias_arg(&self) -> Option<TensorArg<R>> {
-        self.bias.clone().map(CubeTensor::into_tensor_arg)
+    pub(crate) fn bias_arg(&self) -> Option<TensorArg> {
+        self.bias.clone().map(KernelTensor::into_tensor_arg)
     }
 }
 
 /// `input` (`[b, h, sq, sk]`) read as the broadcast it is: a batch, head or query dim expanded
 /// with stride 0 (as `Tensor::expand` leaves one) gets size 1, which every kernel broadcasts,
 /// rather than being copied out to its full size; what is then still not contiguous is copied.
-fn broadcast_view<R: CubeRuntime>(mut input: CubeTensor<R>) -> CubeTensor<R> {
+fn broadcast_view(mut input: KernelTensor) -> KernelTensor {
     for dim in 0..3 {
         if input.meta.strides()[dim] == 0 {
             input.meta.shape_mut()[dim] = 1;
@@ -94,7 +254,7 @@ fn broadcast_view<R: CubeRuntime>(mut input: CubeTensor<R>) -> CubeTensor<R> {
         }
         stride *= size;
     }
-    into_contiguous(input)
+    input.into_contiguous()
 }
 
 /// What the plans need to know of one score input.
@@ -114,13 +274,8 @@ pub struct ScoreFacts {
 }
 
 /// A contiguous output, filled with NaN first when tests asked for poisoned outputs.
-pub(crate) fn output<R: CubeRuntime>(
-    like: &CubeTensor<R>,
-    shape: Shape,
-    dtype: DType,
-) -> CubeTensor<R> {
-    let tensor =
-        empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype);
+pub(crate) fn output(like: &KernelTensor, shape: Shape, dtype: ElemType) -> KernelTensor {
+    let tensor = KernelTensor::empty(&like.client, shape, dtype);
     if crate::testing::poison_enabled() && tensor.meta.num_elements() > 0 {
         poison(&tensor);
     }
@@ -132,20 +287,20 @@ pub(crate) fn output<R: CubeRuntime>(
 fn fill<F: Float, N: Size>(
     tensor: &mut Tensor<Vector<F, N>>,
     value: f32,
-    #[define(F)] _dtype: StorageType,
+    #[define(F)] _dtype: ElemType,
 ) {
     if ABSOLUTE_POS < tensor.len() {
         tensor[ABSOLUTE_POS] = Vector::new(F::cast_from(value));
     }
 }
 
-fn poison<R: CubeRuntime>(tensor: &CubeTensor<R>) {
+fn poison(tensor: &KernelTensor) {
     fill_tensor(tensor, f32::NAN);
 }
 
 /// The widest vector the client moves in one access that divides the last dim of each of
 /// `tensors` and all their other strides (1 when none does).
-pub(crate) fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize {
+pub(crate) fn vector_width(tensors: &[&KernelTensor]) -> usize {
     tensors
         .iter()
         .map(|t| {
@@ -161,7 +316,7 @@ pub(crate) fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize 
 }
 
 /// The address width every index into `tensors` fits (32 bits unless one is too large).
-pub(crate) fn address_type<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> AddressType {
+pub(crate) fn address_type(tensors: &[&KernelTensor]) -> AddressType {
     tensors
         .iter()
         .map(|t| t.required_address_type())
@@ -170,7 +325,7 @@ pub(crate) fn address_type<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> Addres
 }
 
 /// Set every element of a contiguous tensor to `value`, a vector per unit.
-pub(crate) fn fill_tensor<R: CubeRuntime>(tensor: &CubeTensor<R>, value: f32) {
+pub(crate) fn fill_tensor(tensor: &KernelTensor, value: f32) {
     let width = vector_width(&[tensor]);
     let units = tensor.meta.num_elements() / width;
     if units == 0 {
@@ -188,7 +343,7 @@ pub(crate) fn fill_tensor<R: CubeRuntime>(tensor: &CubeTensor<R>, value: f32) {
             width,
             tensor.clone().into_tensor_arg(),
             value,
-            tensor.dtype.into(),
+            tensor.dtype,
         );
     }
 }
@@ -197,71 +352,36 @@ pub(crate) fn fill_tensor<R: CubeRuntime>(tensor: &CubeTensor<R>, value: f32) {
 /// rows (`cfg.block_kv`) by 64 columns, one 128-byte line each, with the 128-byte swizzle the
 /// stages are read with: one box per stage at head dim 64, one per panel of 64 columns wider
 /// ([`TileConfig::staged_pitch`]).
-pub(crate) fn stage_map<R: CubeRuntime>(
-    t: &CubeTensor<R>,
+pub(crate) fn stage_map(t: &KernelTensor, cfg: &TileConfig) -> Option<TensorMapArg<Tiled>> {
+    stage_map_of(|| t.clone().into_tensor_arg(), t.dtype, cfg)
+}
+
+/// [`stage_map`] of the tensor argument `tensor` makes, of `dtype`.
+pub(crate) fn stage_map_of(
+    tensor: impl FnOnce() -> TensorArg,
+    dtype: ElemType,
     cfg: &TileConfig,
-) -> Option<TensorMapArg<R, Tiled>> {
+) -> Option<TensorMapArg<Tiled>> {
     cfg.tma.then(|| {
         let tile = Shape::new([1, 1, cfg.block_kv, 8 * CHUNK]);
-        let elem: StorageType = t.dtype.into();
-        TensorMapArg::new(TiledArgs::new(tile), t.clone().into_tensor_arg(), elem)
+        TensorMapArg::new(TiledArgs::new(tile), tensor(), dtype)
             .with_swizzle(TensorMapSwizzle::B128)
     })
 }
 
-/// Whether `t` can be read through a tensor map: its start and every stride but the unit one
-/// are whole 16-byte units.
-pub(crate) fn tma_aligned<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
-    let size = t.dtype.size();
-    let strides = t.meta.strides();
-    t.handle.offset_start.unwrap_or(0).is_multiple_of(16)
+/// Whether `t` can be read through a tensor map ([`layout_tma_aligned`]).
+pub(crate) fn tma_aligned(t: &KernelTensor) -> bool {
+    let offset = t.handle.offset_start.unwrap_or(0);
+    layout_tma_aligned(offset, t.meta.strides(), t.dtype.size())
+}
+
+/// Whether a tensor starting `offset` bytes into its buffer, with these strides (in elements
+/// of `elem_size` bytes), can be read through a tensor map: its start and every stride but the
+/// unit one are whole 16-byte units.
+pub(crate) fn layout_tma_aligned(offset: u64, strides: &[usize], elem_size: usize) -> bool {
+    offset.is_multiple_of(16)
         && strides[strides.len() - 1] == 1
         && strides
             .iter()
-            .all(|s| (s * size).is_multiple_of(16) || *s == 1)
-}
-
-#[cfg(test)]
-mod tests {
-    //! On the bare wgpu backend (lavapipe in CI).
-    use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
-    use burn::tensor::{Distribution, Tensor, TensorPrimitive};
-    use burn_cubecl::CubeBackend;
-
-    type B = CubeBackend<WgpuRuntime, f32, i32, u32>;
-
-    /// Expanded views keep their storage: a stride-0 dim becomes a broadcast dim, the values
-    /// read through it are those of the expanded tensor, and other views are copied.
-    #[test]
-    fn score_inputs_read_expanded_views_as_broadcasts() {
-        let device = WgpuDevice::default();
-        let source = Tensor::<B, 4>::random([1, 2, 1, 5], Distribution::Uniform(0.0, 1.0), &device);
-        let expanded = source.clone().expand([3, 2, 4, 5]);
-        let mask = source
-            .clone()
-            .lower_elem(0.5)
-            .expand([3, 2, 4, 5])
-            .into_primitive();
-        let bias = expanded.clone().into_primitive().tensor();
-        let storage = format!("{:?}", bias.handle.memory);
-        let inputs = super::ScoreInputs::new(Some(mask), Some(bias));
-
-        let bias = inputs.bias.unwrap();
-        assert_eq!(bias.meta.shape()[..], [1, 2, 1, 5]);
-        assert_eq!(format!("{:?}", bias.handle.memory), storage, "copied");
-        let read = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(bias));
-        assert_eq!(read.expand([3, 2, 4, 5]).to_data(), expanded.to_data());
-        let mask = inputs.mask.unwrap();
-        assert_eq!(mask.meta.shape()[..], [1, 2, 1, 5]);
-        assert!(mask.is_contiguous());
-
-        // A transposed view has no stride 0: copied, dims kept.
-        let transposed = source.expand([3, 2, 4, 5]).swap_dims(2, 3);
-        let bias =
-            super::ScoreInputs::new(None, Some(transposed.clone().into_primitive().tensor()))
-                .bias
-                .unwrap();
-        assert!(bias.is_contiguous());
-        assert_eq!(bias.meta.shape()[..], [1, 2, 5, 4]);
-    }
+            .all(|s| (s * elem_size).is_multiple_of(16) || *s == 1)
 }

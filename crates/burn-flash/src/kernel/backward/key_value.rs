@@ -22,6 +22,7 @@ use crate::kernel::tile::AttentionTile;
 // `exp` as the forward computes it (`__expf`), which the backward's `P` must reproduce.
 #[cube(
     launch_unchecked,
+    create_dummy_kernel,
     address_type = "dynamic",
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 )]
@@ -31,8 +32,8 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
-    mask: &ComptimeOption<Tensor<M>>,
-    bias: &ComptimeOption<Tensor<E>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    bias: ComptimeOption<&Tensor<E>>,
     d_out: &Tensor<E>,
     q_map: &ComptimeOption<TensorMap<E, Tiled>>,
     d_out_map: &ComptimeOption<TensorMap<E, Tiled>>,
@@ -40,8 +41,8 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     delta: &Tensor<f32>,
     d_k: &mut Tensor<E>,
     d_v: &mut Tensor<E>,
-    d_q_accum: &mut ComptimeOption<Tensor<Atomic<Vector<f32, N>>>>,
-    partials: &mut ComptimeOption<Tensor<f32>>,
+    mut d_q_accum: ComptimeOption<&mut Tensor<Atomic<Vector<f32, N>>>>,
+    partials: ComptimeOption<&mut Tensor<f32>>,
     dims: WalkDims,
     tail: TailSplit,
     scale: f32,
@@ -53,7 +54,7 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     dropout_threshold: u32,
     alibi_pow2: u32,
     #[comptime] cfg: TileConfig,
-    #[define(E, M)] _dtypes: [StorageType; 2],
+    #[define(E, M)] _dtypes: [ElemType; 2],
 ) {
     if comptime!(cfg.tail == TailPart::Whole) {
         if tail.is_split() {
@@ -138,7 +139,7 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         (0usize, total)
     };
     // Owning keys, the bias gradient is left to the dQ launch.
-    let mut no_bias_grad = ComptimeOption::<Tensor<E>>::new_None();
+    let mut no_bias_grad = ComptimeOption::<&mut Tensor<E>>::new_None();
     walk::<E, M, T, N>(
         &keys,
         &values,
@@ -158,7 +159,7 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         scale,
         &mut grad_k,
         &mut grad_v,
-        d_q_accum,
+        &mut d_q_accum,
         true,
         cfg,
     );

@@ -3,31 +3,31 @@
 //! dK/dV launch (its last wave in pieces where the plan splits it, [`tail`](super::tail)), and
 //! dQ's own launch or the atomic dQ's conversion.
 
-use burn::tensor::{DType, Shape};
-use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
-use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
+use cubecl::ir::ElemType;
 use cubecl::prelude::*;
+use cubecl::zspace::Shape;
+use cubecl::zspace::metadata::Metadata;
 
 use super::key_value::key_value_grads;
 use super::plan::{BackwardPlan, BackwardProblem};
 use super::query::{finish_query_grads, query_grads};
 use super::row_dot::row_dot;
-use super::tail::{TailSplitLaunch, finish_tail};
+use super::tail::{TailPlan, TailSplitLaunch, finish_tail};
 use super::walk::{StridesLaunch, WalkDimsLaunch};
-use crate::kernel::config::{ScoreParams, TailPart, TilePath};
+use crate::kernel::config::{ScoreParams, TailPart, TileConfig, TilePath};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::{cube_count, cube_dim};
 use crate::kernel::tensors::{
-    ScoreInputs, address_type, fill_tensor, output, stage_map, tma_aligned, vector_width,
+    F32, KernelTensor, ScoreInputs, address_type, fill_tensor, output, stage_map, tma_aligned,
+    vector_width,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 
 /// Whether the fused backward can run inputs of this dtype and head dims on this client, and
 /// with which tile (the same one the forward picks).
-pub fn backward_support<R: CubeRuntime>(
-    client: &ComputeClient<R>,
-    dtype: DType,
+pub fn backward_support(
+    client: &Client,
+    dtype: ElemType,
     head_dim: usize,
     value_dim: usize,
 ) -> Result<TilePath, String> {
@@ -36,35 +36,92 @@ pub fn backward_support<R: CubeRuntime>(
 
 /// The [`WalkDims`](super::walk::WalkDims) of a launch over queries `q` and keys `k` that
 /// stages `first` and `second`, with statistics `stats` (`[b, h, seq_q]`).
-fn walk_dims<R: CubeRuntime>(
-    q: &CubeTensor<R>,
-    k: &CubeTensor<R>,
-    first: &CubeTensor<R>,
-    second: &CubeTensor<R>,
-    stats: &CubeTensor<R>,
-) -> WalkDimsLaunch<R> {
-    let strides = |t: &CubeTensor<R>| {
-        let s = t.meta.strides();
+pub(super) fn walk_dims(
+    q: &Metadata,
+    k: &Metadata,
+    first: &Metadata,
+    second: &Metadata,
+    stats: &Metadata,
+) -> WalkDimsLaunch {
+    let strides = |t: &Metadata| {
+        let s = t.strides();
         StridesLaunch::new(s[0], s[1], s[2])
     };
     WalkDimsLaunch::new(
-        q.meta.shape()[2],
-        k.meta.shape()[2],
-        q.meta.shape()[1],
-        k.meta.shape()[1],
+        q.shape()[2],
+        k.shape()[2],
+        q.shape()[1],
+        k.shape()[1],
         strides(first),
         strides(second),
         strides(stats),
     )
 }
 
+/// The dK/dV launches of the blocks `cfg` over `seq_k` keys of `kv_heads` heads and `batch`
+/// sequences, with the last wave split as `tail` says: the whole grid, or its whole cubes and
+/// then the pieces ([`TailPart`]).
+pub(super) fn key_value_parts(
+    cfg: &TileConfig,
+    tail: Option<TailPlan>,
+    seq_k: usize,
+    kv_heads: usize,
+    batch: usize,
+) -> Vec<(CubeCount, TileConfig)> {
+    let grid = || cube_count(cfg, seq_k, kv_heads, batch);
+    match tail {
+        _ if seq_k == 0 => Vec::new(),
+        None => vec![(grid(), *cfg)],
+        Some(plan) => [
+            (plan.whole > 0).then(|| (grid(), cfg.with_tail(TailPart::Whole))),
+            Some((
+                CubeCount::Static(plan.pieces as u32, plan.split as u32, 1),
+                cfg.with_tail(TailPart::Pieces),
+            )),
+        ]
+        .into_iter()
+        .flatten()
+        .collect(),
+    }
+}
+
+/// The shape of the partial dK/dV sums of a split last wave: each piece's `cfg.block_q` rows
+/// whole, dK's columns then dV's.
+pub(super) fn partials_shape(cfg: &TileConfig, plan: TailPlan) -> Shape {
+    Shape::new([
+        plan.split * plan.pieces,
+        cfg.block_q,
+        cfg.head_dim + cfg.value_dim,
+    ])
+}
+
+/// The [`TailSplit`](super::tail::TailSplit) of a dK/dV launch over `key_blocks` owned blocks
+/// per (batch, head) whose grid's second extent is `grid_rows`, split as `tail` says.
+pub(super) fn tail_split(
+    tail: Option<TailPlan>,
+    key_blocks: usize,
+    grid_rows: usize,
+) -> TailSplitLaunch {
+    let (whole, pieces) = tail.map_or((0, 1), |plan| (plan.whole, plan.pieces));
+    TailSplitLaunch::new(
+        whole as u32,
+        pieces as u32,
+        key_blocks as u32,
+        grid_rows as u32,
+    )
+}
+
 /// The gradients of one backward: `bias` is the gradient of the scores, `[b, h, sq, sk]` in the
 /// inputs' dtype, when it was asked for (the caller sums it over the bias's broadcast dims).
-pub struct Grads<R: CubeRuntime> {
-    pub q: CubeTensor<R>,
-    pub k: CubeTensor<R>,
-    pub v: CubeTensor<R>,
-    pub bias: Option<CubeTensor<R>>,
+pub struct Grads {
+    /// The queries' gradient, `[b, h, sq, d]`.
+    pub q: KernelTensor,
+    /// The keys' gradient, `[b, hkv, sk, d]`, summed over the query heads of each group.
+    pub k: KernelTensor,
+    /// The values' gradient, `[b, hkv, sk, dv]`, summed over the query heads of each group.
+    pub v: KernelTensor,
+    /// The scores' gradient, where it was asked for.
+    pub bias: Option<KernelTensor>,
 }
 
 /// Gradients of the fused attention, from its inputs, its output `out`, its log-sum-exp `lse`
@@ -74,19 +131,19 @@ pub struct Grads<R: CubeRuntime> {
 /// and no bias gradient is asked for (`bias_grad`; it is written by the dQ launch): the
 /// [`DqMode`](super::plan::DqMode) of the plan.
 #[allow(clippy::too_many_arguments)]
-pub fn backward<R: CubeRuntime>(
-    q: CubeTensor<R>,
-    k: CubeTensor<R>,
-    v: CubeTensor<R>,
-    inputs: ScoreInputs<R>,
-    out: CubeTensor<R>,
-    lse: CubeTensor<R>,
-    d_out: CubeTensor<R>,
+pub fn backward(
+    q: KernelTensor,
+    k: KernelTensor,
+    v: KernelTensor,
+    inputs: ScoreInputs,
+    out: KernelTensor,
+    lse: KernelTensor,
+    d_out: KernelTensor,
     params: ScoreParams,
     deterministic: bool,
     bias_grad: bool,
-) -> Grads<R> {
-    let [q, k, v, out, lse, d_out] = [q, k, v, out, lse, d_out].map(into_contiguous);
+) -> Grads {
+    let [q, k, v, out, lse, d_out] = [q, k, v, out, lse, d_out].map(KernelTensor::into_contiguous);
     let params = params.with_inputs(inputs.mask_dims(), inputs.bias.is_some());
     let bias_grad = bias_grad && inputs.bias.is_some();
     let dims = q.meta.shape().clone();
@@ -98,7 +155,7 @@ pub fn backward<R: CubeRuntime>(
     let d_q = output(&q, Shape::new([batch, heads, seq_q, head_dim]), dtype);
     let d_k = output(&q, Shape::new([batch, kv_heads, seq_k, head_dim]), dtype);
     let d_v = output(&q, Shape::new([batch, kv_heads, seq_k, value_dim]), dtype);
-    let delta = output(&q, Shape::new([batch, heads, seq_q]), DType::F32);
+    let delta = output(&q, Shape::new([batch, heads, seq_q]), F32);
     let d_bias = bias_grad.then(|| {
         let d_bias = output(&q, Shape::new([batch, heads, seq_q, seq_k]), dtype);
         // The dQ launch writes the pairs of the blocks it visits; a band skips some.
@@ -150,51 +207,14 @@ pub fn backward<R: CubeRuntime>(
         crate::testing::record_tail_split();
     }
     let key_blocks = seq_k.div_ceil(cfg.block_q);
-    // The split cubes' partial dK/dV sums, each piece's rows whole (see `tail`).
-    let partials = tail.map(|plan| {
-        output(
-            &q,
-            Shape::new([plan.split * plan.pieces, cfg.block_q, head_dim + value_dim]),
-            DType::F32,
-        )
-    });
-    // The dK/dV launches: the whole grid, or its whole cubes and then the pieces.
-    let key_value_parts = match tail {
-        _ if seq_k == 0 => Vec::new(),
-        None => vec![(cube_count(&cfg, seq_k, kv_heads, batch), cfg, None)],
-        Some(plan) => [
-            (plan.whole > 0).then(|| {
-                let grid = cube_count(&cfg, seq_k, kv_heads, batch);
-                (grid, cfg.with_tail(TailPart::Whole), None)
-            }),
-            Some((
-                CubeCount::Static(plan.pieces as u32, plan.split as u32, 1),
-                cfg.with_tail(TailPart::Pieces),
-                partials.clone(),
-            )),
-        ]
-        .into_iter()
-        .flatten()
-        .collect(),
-    };
+    // The split cubes' partial dK/dV sums (see `tail`).
+    let partials = tail.map(|plan| output(&q, partials_shape(&cfg, plan), F32));
+    let key_value_parts = key_value_parts(&cfg, tail, seq_k, kv_heads, batch);
     let grid_rows = if cfg.batch_inner { batch } else { kv_heads };
-    let (whole, pieces) = tail.map_or((0, 1), |plan| (plan.whole, plan.pieces));
-    let tail_split = || {
-        TailSplitLaunch::new(
-            whole as u32,
-            pieces as u32,
-            key_blocks as u32,
-            grid_rows as u32,
-        )
-    };
+    let pieces = tail.map_or(1, |plan| plan.pieces);
     // The atomic dQ's f32 accumulator, contiguous and zeroed (see `key_value`).
     let accum = cfg.atomic_dq.then(|| {
-        let accum = empty_device_contiguous_dtype(
-            client.clone(),
-            q.device.clone(),
-            Shape::new([batch, heads, seq_q, head_dim]),
-            DType::F32,
-        );
+        let accum = KernelTensor::empty(&client, Shape::new([batch, heads, seq_q, head_dim]), F32);
         fill_tensor(&accum, 0.0);
         accum
     });
@@ -202,12 +222,12 @@ pub fn backward<R: CubeRuntime>(
     let address = address_type(&[&q, &k, &v, &out, &d_out, &d_q, &d_k, &d_v])
         .max(inputs.address_type())
         .max(address_type(&d_bias.iter().collect::<Vec<_>>()));
-    let elem: StorageType = dtype.into();
+    let elem = dtype;
     let dtypes = [elem, inputs.mask_dtype()];
     let softcap = params.softcap.unwrap_or(1.0);
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
     let alibi_pow2 = params.alibi_pow2.unwrap_or(1);
-    let query_dims = walk_dims(&q, &k, &k, &v, &lse);
+    let query_dims = walk_dims(&q.meta, &k.meta, &k.meta, &v.meta, &lse.meta);
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernels form is
     // bounded by the tensors' shapes (rows past the ends are clamped, zero-filled or skipped).
@@ -241,8 +261,11 @@ pub fn backward<R: CubeRuntime>(
         }
         macro_rules! launch_grads {
             ($tile:ty) => {{
-                for (grid, part_cfg, part_partials) in key_value_parts.iter().cloned() {
-                    key_value_grads::launch_unchecked::<$tile, R>(
+                for (grid, part_cfg) in key_value_parts.iter().cloned() {
+                    let part_partials = partials
+                        .clone()
+                        .filter(|_| part_cfg.tail == TailPart::Pieces);
+                    key_value_grads::launch_unchecked::<$tile>(
                         &client,
                         grid,
                         cube_dim(&cfg),
@@ -270,8 +293,8 @@ pub fn backward<R: CubeRuntime>(
                             Some(partials) => ComptimeOptionArgs::Some(partials.into_tensor_arg()),
                             None => ComptimeOptionArgs::None,
                         },
-                        walk_dims(&q, &k, &q, &d_out, &lse),
-                        tail_split(),
+                        walk_dims(&q.meta, &k.meta, &q.meta, &d_out.meta, &lse.meta),
+                        tail_split(tail, key_blocks, grid_rows),
                         params.scale,
                         params.left,
                         params.right,
@@ -295,7 +318,7 @@ pub fn backward<R: CubeRuntime>(
                         partials.into_tensor_arg(),
                         d_k.clone().into_tensor_arg(),
                         d_v.clone().into_tensor_arg(),
-                        tail_split(),
+                        tail_split(tail, key_blocks, grid_rows),
                         seq_k,
                         params.scale,
                         cfg,
@@ -318,7 +341,7 @@ pub fn backward<R: CubeRuntime>(
                         elem,
                     );
                 } else if seq_q > 0 {
-                    query_grads::launch_unchecked::<$tile, R>(
+                    query_grads::launch_unchecked::<$tile>(
                         &client,
                         cube_count(&query_cfg, seq_q, heads, batch),
                         cube_dim(&query_cfg),
@@ -332,7 +355,7 @@ pub fn backward<R: CubeRuntime>(
                         lse.into_tensor_arg(),
                         delta.into_tensor_arg(),
                         d_q.clone().into_tensor_arg(),
-                        d_bias.clone().map(CubeTensor::into_tensor_arg).into(),
+                        d_bias.clone().map(KernelTensor::into_tensor_arg).into(),
                         query_dims,
                         params.scale,
                         params.left,

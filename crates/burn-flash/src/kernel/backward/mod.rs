@@ -14,14 +14,16 @@
 //! Both main launches share [`walk`], which runs on the forward's tile
 //! ([`AttentionTile`](crate::kernel::tile::AttentionTile)): tensor cores on CUDA, portable FMAs elsewhere.
 //! Where the dK/dV launch's last wave would leave most SMs idle, [`tail`] spreads its cubes'
-//! walks over them. [`plan`] decides all of this on the host; [`launch`] enqueues it.
+//! walks over them. [`plan`] decides all of this on the host; [`launch`] enqueues it, and
+//! [`sources`] creates the fused launches' kernels as it would, without a client.
 
 mod key_value;
 mod launch;
 mod plan;
 mod query;
 mod row_dot;
+pub(super) mod sources;
 mod tail;
 mod walk;
 
-pub use launch::{backward, backward_support};
+pub use launch::{Grads, backward, backward_support};

@@ -7,7 +7,7 @@
 use std::fmt;
 use std::sync::OnceLock;
 
-use burn::tensor::DType;
+use cubecl::ir::ElemType;
 
 use super::tail::{self, TailPlan};
 use crate::kernel::config::{MMA_M, ScoreParams, TileConfig, TilePath};
@@ -19,7 +19,7 @@ use crate::kernel::tuning::{choice_override, flag_override, shape_override};
 /// What the backward plan is decided on, beside the device.
 #[derive(Clone, Copy, Debug)]
 pub struct BackwardProblem {
-    pub dtype: DType,
+    pub dtype: ElemType,
     pub batch: usize,
     pub heads: usize,
     pub kv_heads: usize,
@@ -82,7 +82,7 @@ pub struct BackwardPlan {
 /// with which tile (the same one the forward picks).
 pub fn support(
     caps: &DeviceCaps,
-    dtype: DType,
+    dtype: ElemType,
     head_dim: usize,
     value_dim: usize,
 ) -> Result<TilePath, String> {
@@ -405,7 +405,7 @@ mod tests {
     fn problem(d: usize, n: usize, deterministic: bool) -> BackwardProblem {
         let options = crate::options::FlashAttentionOptions::new();
         BackwardProblem {
-            dtype: DType::BF16,
+            dtype: crate::kernel::tensors::BF16,
             batch: 16384 / n,
             heads: 2048 / d,
             kv_heads: 2048 / d,

@@ -15,6 +15,7 @@ use crate::kernel::tile::AttentionTile;
 // `exp` as the forward computes it (`__expf`), which the backward's `P` must reproduce.
 #[cube(
     launch_unchecked,
+    create_dummy_kernel,
     address_type = "dynamic",
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 )]
@@ -23,13 +24,13 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
-    mask: &ComptimeOption<Tensor<M>>,
-    bias: &ComptimeOption<Tensor<E>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    bias: ComptimeOption<&Tensor<E>>,
     d_out: &Tensor<E>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     d_q: &mut Tensor<E>,
-    d_bias: &mut ComptimeOption<Tensor<E>>,
+    mut d_bias: ComptimeOption<&mut Tensor<E>>,
     dims: WalkDims,
     scale: f32,
     band_left: u32,
@@ -40,7 +41,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     dropout_threshold: u32,
     alibi_pow2: u32,
     #[comptime] cfg: TileConfig,
-    #[define(E, M)] _dtypes: [StorageType; 2],
+    #[define(E, M)] _dtypes: [ElemType; 2],
 ) {
     let (batch, head) = batch_and_head(cfg);
     let kv_head = head / (dims.heads / dims.kv_heads);
@@ -80,7 +81,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     }
     // Owning queries, there is no second gradient and dQ is written directly.
     let mut unused = Array::<f32>::new(1usize);
-    let mut no_accum = ComptimeOption::<Tensor<Atomic<Vector<f32, Const<1>>>>>::new_None();
+    let mut no_accum = ComptimeOption::<&mut Tensor<Atomic<Vector<f32, Const<1>>>>>::new_None();
 
     let (first_block, end_block) = kv_blocks(span.band, span.owned_start, cfg);
     let sweep = Sweep {
@@ -113,7 +114,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
         &no_map,
         mask,
         bias,
-        d_bias,
+        &mut d_bias,
         sweep,
         0usize,
         steps,
@@ -149,7 +150,7 @@ pub fn finish_query_grads<E: Float, N: Size>(
     accum: &Tensor<Vector<f32, N>>,
     d_q: &mut Tensor<Vector<E, N>>,
     scale: f32,
-    #[define(E)] _dtype: StorageType,
+    #[define(E)] _dtype: ElemType,
 ) {
     if ABSOLUTE_POS < d_q.len() {
         d_q[ABSOLUTE_POS] = Vector::cast_from(accum[ABSOLUTE_POS] * Vector::new(scale));

@@ -15,7 +15,7 @@ pub fn row_dot<E: Float, N: Size>(
     delta: &mut Tensor<f32>,
     #[comptime] vectors: usize,
     #[comptime] group: usize,
-    #[define(E)] _dtype: StorageType,
+    #[define(E)] _dtype: ElemType,
 ) {
     let width = out.vector_size();
     let rows = delta.len();
@@ -35,7 +35,7 @@ pub fn row_dot<E: Float, N: Size>(
                 * Vector::<f32, N>::cast_from(d_out[g_base + at]);
             #[unroll]
             for e in 0..width {
-                sum += product[e];
+                sum += product.extract(e);
             }
             at += group;
         }

@@ -130,7 +130,7 @@ pub fn finish_tail<E: Float>(
     seq_k: usize,
     scale: f32,
     #[comptime] cfg: TileConfig,
-    #[define(E)] _dtype: StorageType,
+    #[define(E)] _dtype: ElemType,
 ) {
     let width = comptime!(cfg.head_dim + cfg.value_dim);
     let rows = comptime!(cfg.block_q);

@@ -25,6 +25,7 @@ use crate::kernel::tile::AttentionTile;
 
 /// Where a backward cube sits and the lengths that bound it.
 #[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 pub struct Span {
     /// First owned row (a key when the cube owns keys, else a query).
     pub owned_start: usize,
@@ -92,6 +93,7 @@ impl WalkDims {
 /// key/value head; otherwise there is one. Bases are those of member 0; each further member
 /// adds its step (the tensors' head stride).
 #[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 pub struct Sweep {
     pub first_base: usize,
     pub first_step: usize,
@@ -203,7 +205,7 @@ fn fetch_stats(
     stat_base: usize,
     first_row: usize,
     seq_q: usize,
-    stats: &mut SharedMemory<f32>,
+    stats: &mut Shared<[f32]>,
     slot: usize,
     #[comptime] cfg: TileConfig,
 ) {
@@ -231,7 +233,7 @@ fn load_stats(
     stat_base: usize,
     first_row: usize,
     seq_q: usize,
-    stats: &mut SharedMemory<f32>,
+    stats: &mut Shared<[f32]>,
     #[comptime] cfg: TileConfig,
 ) {
     #[unroll]
@@ -259,9 +261,9 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     second: &Tensor<E>,
     first_map: &ComptimeOption<TensorMap<E, Tiled>>,
     second_map: &ComptimeOption<TensorMap<E, Tiled>>,
-    mask: &ComptimeOption<Tensor<M>>,
-    bias: &ComptimeOption<Tensor<E>>,
-    d_bias: &mut ComptimeOption<Tensor<E>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    bias: ComptimeOption<&Tensor<E>>,
+    d_bias: &mut ComptimeOption<&mut Tensor<E>>,
     sweep: Sweep,
     first_step: usize,
     steps: usize,
@@ -271,7 +273,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     scale: f32,
     grad_first: &mut Array<f32>,
     grad_second: &mut Array<f32>,
-    accum: &mut ComptimeOption<Tensor<Atomic<Vector<f32, N>>>>,
+    accum: &mut ComptimeOption<&mut Tensor<Atomic<Vector<f32, N>>>>,
     #[comptime] owns_keys: bool,
     #[comptime] cfg: TileConfig,
 ) {
@@ -295,20 +297,20 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         }
     }
     let stats_elems = comptime!(if owns_keys { cfg.stats_elems() } else { 1 });
-    let mut stats = SharedMemory::<f32>::new(stats_elems);
+    let mut stats = Shared::<[f32]>::new_slice(stats_elems);
 
     if comptime!(cfg.tile == TilePath::TensorCore) {
         let stage_align = comptime!(if cfg.tma { TMA_ALIGN } else { SMEM_ALIGN });
-        let mut first_stages = SharedMemory::<E>::new_aligned(
+        let mut first_stages = Shared::<[E]>::new_aligned_slice(
             comptime!(2 * cfg.block_kv * cfg.head_stride()),
             stage_align,
         );
-        let mut second_stages = SharedMemory::<E>::new_aligned(
+        let mut second_stages = Shared::<[E]>::new_aligned_slice(
             comptime!(2 * cfg.block_kv * cfg.value_stride()),
             stage_align,
         );
-        let mut scratch = SharedMemory::<E>::new_aligned(cfg.scratch_elems(), SMEM_ALIGN);
-        let mut staging = SharedMemory::<f32>::new_aligned(cfg.dq_stage_elems(), SMEM_ALIGN);
+        let mut scratch = Shared::<[E]>::new_aligned_slice(cfg.scratch_elems(), SMEM_ALIGN);
+        let mut staging = Shared::<[f32]>::new_aligned_slice(cfg.dq_stage_elems(), SMEM_ALIGN);
         let barriers = StageBarriers::new();
         if comptime!(cfg.tma) {
             // The copy engine completes on the barriers: their initialisation must be visible
@@ -394,10 +396,10 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             row = next_row;
         }
     } else {
-        let mut scratch = SharedMemory::<E>::new(1usize);
-        let mut staging = SharedMemory::<f32>::new(1usize);
-        let mut first_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.head_dim));
-        let mut second_stage = SharedMemory::<E>::new(comptime!(cfg.block_kv * cfg.value_dim));
+        let mut scratch = Shared::<[E]>::new_slice(1usize);
+        let mut staging = Shared::<[f32]>::new_slice(1usize);
+        let mut first_stage = Shared::<[E]>::new_slice(comptime!(cfg.block_kv * cfg.head_dim));
+        let mut second_stage = Shared::<[E]>::new_slice(comptime!(cfg.block_kv * cfg.value_dim));
         let (mut member, mut first_row) = sweep.step_at(first_step, cfg);
         for _ in 0..steps {
             sync_cube();
@@ -484,9 +486,9 @@ fn fetch_step<E: Float>(
     member: usize,
     row: usize,
     seq: usize,
-    first_stages: &mut SharedMemory<E>,
-    second_stages: &mut SharedMemory<E>,
-    stats: &mut SharedMemory<f32>,
+    first_stages: &mut Shared<[E]>,
+    second_stages: &mut Shared<[E]>,
+    stats: &mut Shared<[f32]>,
     stage: usize,
     barriers: &StageBarriers,
     #[comptime] owns_keys: bool,
@@ -548,13 +550,13 @@ fn fetch_step<E: Float>(
 fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     first_owned: &T::Query,
     second_owned: &T::Query,
-    first_stages: &SharedMemory<E>,
-    second_stages: &SharedMemory<E>,
+    first_stages: &Shared<[E]>,
+    second_stages: &Shared<[E]>,
     stage: usize,
     staged_start: usize,
-    mask: &ComptimeOption<Tensor<M>>,
-    bias: &ComptimeOption<Tensor<E>>,
-    d_bias: &mut ComptimeOption<Tensor<E>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    bias: ComptimeOption<&Tensor<E>>,
+    d_bias: &mut ComptimeOption<&mut Tensor<E>>,
     batch: usize,
     head: usize,
     owned_lse: &Array<f32>,
@@ -563,11 +565,11 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     scale: f32,
     grad_first: &mut Array<f32>,
     grad_second: &mut Array<f32>,
-    scratch: &mut SharedMemory<E>,
-    staging: &mut SharedMemory<f32>,
-    accum: &mut ComptimeOption<Tensor<Atomic<Vector<f32, N>>>>,
+    scratch: &mut Shared<[E]>,
+    staging: &mut Shared<[f32]>,
+    accum: &mut ComptimeOption<&mut Tensor<Atomic<Vector<f32, N>>>>,
     accum_base: usize,
-    stats: &SharedMemory<f32>,
+    stats: &Shared<[f32]>,
     stats_base: usize,
     #[comptime] owns_keys: bool,
     #[comptime] cfg: TileConfig,
@@ -749,8 +751,7 @@ fn block_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         }
         T::accumulate(&grads, first_stages, first_base, grad_first, key_cfg);
     }
-    #[comptime]
-    if let ComptimeOption::Some(accum) = accum {
+    if accum.is_some() {
         T::add_transposed_product::<N>(
             &grads,
             first_owned,

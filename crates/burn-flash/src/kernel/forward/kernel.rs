@@ -28,6 +28,7 @@ use crate::kernel::tile::AttentionTile;
 
 /// Where the cube reads and writes, and the lengths that bound it.
 #[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
 struct Coords {
     batch: usize,
     /// The key/value head this query head reads (GQA).
@@ -54,6 +55,7 @@ struct Coords {
 
 #[cube(
     launch_unchecked,
+    create_dummy_kernel,
     address_type = "dynamic",
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 )]
@@ -64,9 +66,9 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     v: &Tensor<E>,
     k_map: &ComptimeOption<TensorMap<E, Tiled>>,
     v_map: &ComptimeOption<TensorMap<E, Tiled>>,
-    mask: &ComptimeOption<Tensor<M>>,
-    hidden_blocks: &ComptimeOption<Tensor<u32>>,
-    bias: &ComptimeOption<Tensor<E>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    hidden_blocks: ComptimeOption<&Tensor<u32>>,
+    bias: ComptimeOption<&Tensor<E>>,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
     scale: f32,
@@ -79,7 +81,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     dropout_threshold: u32,
     alibi_pow2: u32,
     #[comptime] cfg: TileConfig,
-    #[define(E, M)] _dtypes: [StorageType; 2],
+    #[define(E, M)] _dtypes: [ElemType; 2],
 ) {
     let (batch, head) = batch_and_head(cfg);
     let kv_head = head / (q.shape(1) / k.shape(1));
@@ -177,22 +179,24 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         );
     } else {
         // Values wider than queries: the output does not fit in the query block.
+        let out_row = out.stride(2);
         #[unroll]
         for reg in 0..cfg.out_regs() {
             let (row, col) = T::out_position(reg, cfg);
             let query_row = coords.q_start + row;
             if query_row < coords.band.seq_q {
-                out[out_base + query_row * out.stride(2) + col] = E::cast_from(acc[reg]);
+                out[out_base + query_row * out_row + col] = E::cast_from(acc[reg]);
             }
         }
     }
     if T::writes_row_stats() {
         let lse_base = batch * lse.stride(0) + head * lse.stride(1);
+        let lse_row = lse.stride(2);
         #[unroll]
         for slot in 0..cfg.rows_per_unit() {
             let query_row = coords.q_start + T::slot_row(slot, cfg);
             if query_row < coords.band.seq_q {
-                lse[lse_base + query_row * lse.stride(2)] = row_lse[slot];
+                lse[lse_base + query_row * lse_row] = row_lse[slot];
             }
         }
     }
@@ -205,13 +209,13 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
 #[allow(clippy::too_many_arguments)]
 fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     query: &T::Query,
-    mask: &ComptimeOption<Tensor<M>>,
-    bias: &ComptimeOption<Tensor<E>>,
-    mask_stages: &ComptimeOption<SharedMemory<M>>,
-    bias_stages: &ComptimeOption<SharedMemory<E>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    bias: ComptimeOption<&Tensor<E>>,
+    mask_stages: &ComptimeOption<Shared<[M]>>,
+    bias_stages: &ComptimeOption<Shared<[E]>>,
     bias_ready: &ComptimeOption<Shared<Barrier>>,
-    keys: &SharedMemory<E>,
-    values: &SharedMemory<E>,
+    keys: &Shared<[E]>,
+    values: &Shared<[E]>,
     stage: usize,
     kv_start: usize,
     coords: Coords,
@@ -311,9 +315,9 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     v: &Tensor<E>,
     k_map: &ComptimeOption<TensorMap<E, Tiled>>,
     v_map: &ComptimeOption<TensorMap<E, Tiled>>,
-    mask: &ComptimeOption<Tensor<M>>,
-    hidden_blocks: &ComptimeOption<Tensor<u32>>,
-    bias: &ComptimeOption<Tensor<E>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    hidden_blocks: ComptimeOption<&Tensor<u32>>,
+    bias: ComptimeOption<&Tensor<E>>,
     coords: Coords,
     first: usize,
     end: usize,
@@ -323,11 +327,11 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
 ) -> T::Query {
     let stage_align = comptime!(if cfg.tma { TMA_ALIGN } else { SMEM_ALIGN });
-    let mut keys = SharedMemory::<E>::new_aligned(
+    let mut keys = Shared::<[E]>::new_aligned_slice(
         comptime!(2 * cfg.block_kv * cfg.head_stride()),
         stage_align,
     );
-    let mut values = SharedMemory::<E>::new_aligned(
+    let mut values = Shared::<[E]>::new_aligned_slice(
         comptime!(2 * cfg.block_kv * cfg.value_stride()),
         stage_align,
     );
@@ -343,7 +347,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
         sync_async_proxy_shared();
     }
     let bias_ready = single_bias_barrier(cfg);
-    let bias_factor = &T::staged_factor(coords.inv_scale, cfg);
+    let bias_factor = T::staged_factor(coords.inv_scale, cfg);
     sync_cube();
 
     // A packed mask's block flags are read an iteration before the one that fetches the block,
@@ -421,7 +425,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
                 stage,
                 block * cfg.block_kv,
                 coords,
-                bias_factor,
+                &bias_factor,
                 scale,
                 stats,
                 acc,
@@ -443,13 +447,13 @@ fn fetch_block<E: Float, M: Int>(
     v: &Tensor<E>,
     k_map: &ComptimeOption<TensorMap<E, Tiled>>,
     v_map: &ComptimeOption<TensorMap<E, Tiled>>,
-    mask: &ComptimeOption<Tensor<M>>,
-    bias: &ComptimeOption<Tensor<E>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    bias: ComptimeOption<&Tensor<E>>,
     coords: Coords,
-    keys: &mut SharedMemory<E>,
-    values: &mut SharedMemory<E>,
-    mask_stages: &mut ComptimeOption<SharedMemory<M>>,
-    bias_stages: &mut ComptimeOption<SharedMemory<E>>,
+    keys: &mut Shared<[E]>,
+    values: &mut Shared<[E]>,
+    mask_stages: &mut ComptimeOption<Shared<[M]>>,
+    bias_stages: &mut ComptimeOption<Shared<[E]>>,
     block: usize,
     stage: usize,
     barriers: &StageBarriers,
@@ -505,8 +509,8 @@ fn fetch_block<E: Float, M: Int>(
 /// `bias_ready`, if the bias is staged that way.
 #[cube]
 fn fetch_single_bias<E: Float>(
-    bias: &ComptimeOption<Tensor<E>>,
-    bias_stages: &mut ComptimeOption<SharedMemory<E>>,
+    bias: ComptimeOption<&Tensor<E>>,
+    bias_stages: &mut ComptimeOption<Shared<[E]>>,
     bias_ready: &ComptimeOption<Shared<Barrier>>,
     coords: Coords,
     kv_start: usize,
@@ -546,8 +550,8 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
-    mask: &ComptimeOption<Tensor<M>>,
-    bias: &ComptimeOption<Tensor<E>>,
+    mask: ComptimeOption<&Tensor<M>>,
+    bias: ComptimeOption<&Tensor<E>>,
     coords: Coords,
     first: usize,
     end: usize,
@@ -557,9 +561,9 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
 ) -> T::Query {
     let query = T::load_query(q, coords.q_base, coords.q_start, coords.band.seq_q, cfg);
-    let bias_factor = &T::staged_factor(coords.inv_scale, cfg);
-    let mut keys = SharedMemory::<E>::new(cfg.block_kv * cfg.head_dim);
-    let mut values = SharedMemory::<E>::new(cfg.block_kv * cfg.value_dim);
+    let bias_factor = T::staged_factor(coords.inv_scale, cfg);
+    let mut keys = Shared::<[E]>::new_slice(cfg.block_kv * cfg.head_dim);
+    let mut values = Shared::<[E]>::new_slice(cfg.block_kv * cfg.value_dim);
     for block in first..end {
         let first_row = block * cfg.block_kv;
         sync_cube();
@@ -598,7 +602,7 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
             0,
             first_row,
             coords,
-            bias_factor,
+            &bias_factor,
             scale,
             stats,
             acc,

@@ -1,10 +1,9 @@
 //! Launch of the forward: the plan for these inputs on this device ([`plan`](super::plan)),
 //! then the outputs allocated, the mask packed where the plan says, and the kernel enqueued.
 
-use burn::tensor::{DType, Shape};
-use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
+use cubecl::ir::ElemType;
 use cubecl::prelude::*;
+use cubecl::zspace::Shape;
 
 use super::kernel::flash_forward;
 use super::plan::{ForwardPlan, ForwardProblem};
@@ -12,14 +11,16 @@ use crate::kernel::config::{ScoreParams, TilePath};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::{cube_count, cube_dim};
 use crate::kernel::pack::pack_mask;
-use crate::kernel::tensors::{ScoreInputs, address_type, output, stage_map, tma_aligned};
+use crate::kernel::tensors::{
+    F32, KernelTensor, ScoreInputs, address_type, output, stage_map, tma_aligned,
+};
 use crate::kernel::tile::{MmaTile, PortableTile};
 
 /// Decide whether the fused forward can run inputs of this dtype and head dims on this client,
 /// and with which tile. `Err` carries the reason the caller logs before taking the fallback.
-pub fn support<R: CubeRuntime>(
-    client: &ComputeClient<R>,
-    dtype: DType,
+pub fn support(
+    client: &Client,
+    dtype: ElemType,
     head_dim: usize,
     value_dim: usize,
 ) -> Result<TilePath, String> {
@@ -32,14 +33,18 @@ pub fn support<R: CubeRuntime>(
 /// `[b|1, h|1, sq|1, sk]`. Returns the output `[b, h, sq, dv]` in the input dtype and the
 /// log-sum-exp `[b, h, sq]` in f32 (natural log of Σ exp(scale·s + bias) over the visible keys,
 /// `s` softcapped; `-inf` for rows that see no key, whose output is 0).
-pub fn forward<R: CubeRuntime>(
-    q: CubeTensor<R>,
-    k: CubeTensor<R>,
-    v: CubeTensor<R>,
-    inputs: ScoreInputs<R>,
+pub fn forward(
+    q: KernelTensor,
+    k: KernelTensor,
+    v: KernelTensor,
+    inputs: ScoreInputs,
     params: ScoreParams,
-) -> (CubeTensor<R>, CubeTensor<R>) {
-    let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
+) -> (KernelTensor, KernelTensor) {
+    let (q, k, v) = (
+        q.into_contiguous(),
+        k.into_contiguous(),
+        v.into_contiguous(),
+    );
     let params = params.with_inputs(inputs.mask_dims(), inputs.bias.is_some());
     let dims = q.meta.shape().clone();
     let (batch, heads, seq_q, head_dim) = (dims[0], dims[1], dims[2], dims[3]);
@@ -63,7 +68,7 @@ pub fn forward<R: CubeRuntime>(
         pack_mask: packs,
     } = plan;
     let out = output(&q, Shape::new([batch, heads, seq_q, value_dim]), q.dtype);
-    let lse = output(&q, Shape::new([batch, heads, seq_q]), DType::F32);
+    let lse = output(&q, Shape::new([batch, heads, seq_q]), F32);
     if out.meta.num_elements() == 0 {
         return (out, lse);
     }
@@ -89,7 +94,7 @@ pub fn forward<R: CubeRuntime>(
     let address = address_type(&[&q, &k, &v, &out])
         .max(inputs.address_type())
         .max(address_type(&hidden_blocks.iter().collect::<Vec<_>>()));
-    let dtypes = [q.dtype.into(), inputs.mask_dtype()];
+    let dtypes = [q.dtype, inputs.mask_dtype()];
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernel forms is
@@ -97,7 +102,7 @@ pub fn forward<R: CubeRuntime>(
     macro_rules! launch {
         ($tile:ty) => {
             unsafe {
-                flash_forward::launch_unchecked::<$tile, R>(
+                flash_forward::launch_unchecked::<$tile>(
                     &client,
                     cube_count,
                     cube_dim,
@@ -108,7 +113,7 @@ pub fn forward<R: CubeRuntime>(
                     k_map.into(),
                     v_map.into(),
                     inputs.mask_arg().into(),
-                    hidden_blocks.map(CubeTensor::into_tensor_arg).into(),
+                    hidden_blocks.map(KernelTensor::into_tensor_arg).into(),
                     inputs.bias_arg().into(),
                     out.clone().into_tensor_arg(),
                     lse.clone().into_tensor_arg(),
@@ -133,98 +138,4 @@ pub fn forward<R: CubeRuntime>(
         TilePath::Portable => launch!(PortableTile),
     }
     (out, lse)
-}
-
-#[cfg(test)]
-mod tests {
-    //! Kernel-level smoke test on the bare wgpu backend (lavapipe in CI): the portable tile
-    //! against a plain CPU computation. The public API is tested at the workspace root.
-    use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
-    use burn::tensor::{Distribution, Tensor, TensorPrimitive};
-    use burn_cubecl::CubeBackend;
-
-    use crate::kernel::config::ScoreParams;
-    use crate::kernel::tensors::ScoreInputs;
-    use crate::options::FlashAttentionOptions;
-
-    type B = CubeBackend<WgpuRuntime, f32, i32, u32>;
-
-    fn reference(
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        sq: usize,
-        sk: usize,
-        d: usize,
-        causal: bool,
-    ) -> Vec<f64> {
-        let scale = 1.0 / (d as f64).sqrt();
-        let mut out = vec![0.0; sq * d];
-        for i in 0..sq {
-            let visible = |j: usize| !causal || j + sq <= i + sk;
-            let s: Vec<f64> = (0..sk)
-                .map(|j| {
-                    (0..d)
-                        .map(|c| q[i * d + c] as f64 * k[j * d + c] as f64)
-                        .sum::<f64>()
-                        * scale
-                })
-                .collect();
-            let m = (0..sk)
-                .filter(|&j| visible(j))
-                .map(|j| s[j])
-                .fold(f64::NEG_INFINITY, f64::max);
-            let p: Vec<f64> = (0..sk)
-                .map(|j| if visible(j) { (s[j] - m).exp() } else { 0.0 })
-                .collect();
-            let l: f64 = p.iter().sum();
-            for c in 0..d {
-                out[i * d + c] = if l > 0.0 {
-                    (0..sk).map(|j| p[j] * v[j * d + c] as f64).sum::<f64>() / l
-                } else {
-                    0.0
-                };
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn portable_forward_matches_cpu() {
-        let device = WgpuDevice::default();
-        crate::testing::poison_outputs(true);
-        for &(sq, sk, d, causal) in &[
-            (1, 1, 64, false),
-            (1, 2, 64, false),
-            (2, 2, 64, false),
-            (7, 7, 64, false),
-            (65, 33, 64, true),
-            (33, 70, 128, true),
-        ] {
-            let q = Tensor::<B, 4>::random([1, 1, sq, d], Distribution::Normal(0.0, 1.0), &device);
-            let k = Tensor::<B, 4>::random([1, 1, sk, d], Distribution::Normal(0.0, 1.0), &device);
-            let v = Tensor::<B, 4>::random([1, 1, sk, d], Distribution::Normal(0.0, 1.0), &device);
-            let data = |t: &Tensor<B, 4>| t.to_data().to_vec::<f32>().unwrap();
-            let expected = reference(&data(&q), &data(&k), &data(&v), sq, sk, d, causal);
-            let options = FlashAttentionOptions::new().with_causal(causal);
-            let (out, _lse) = super::forward(
-                q.into_primitive().tensor(),
-                k.into_primitive().tensor(),
-                v.into_primitive().tensor(),
-                ScoreInputs::new(None, None),
-                ScoreParams::new(&options, 1, d, sq, sk),
-            );
-            let out = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(out));
-            let got = out.to_data().to_vec::<f32>().unwrap();
-            let err = got
-                .iter()
-                .zip(&expected)
-                .map(|(a, b)| (*a as f64 - b).abs())
-                .fold(0.0, f64::max);
-            assert!(
-                err < 1e-4,
-                "sq {sq} sk {sk} d {d} causal {causal}: max error {err}"
-            );
-        }
-    }
 }

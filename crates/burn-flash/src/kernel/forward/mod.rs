@@ -1,8 +1,10 @@
 //! The forward: FlashAttention-2's loop over key/value blocks with an online softmax
-//! ([`kernel`]), planned on the host ([`plan`]) and launched ([`launch`]).
+//! ([`kernel`]), planned on the host ([`plan`]) and launched ([`launch`]); [`sources`] creates
+//! its kernel as the launch would, without a client.
 
 mod kernel;
 mod launch;
 pub(crate) mod plan;
+pub(super) mod sources;
 
 pub use launch::{forward, support};

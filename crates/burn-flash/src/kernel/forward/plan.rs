@@ -7,18 +7,18 @@
 use std::fmt;
 use std::sync::OnceLock;
 
-use burn::tensor::DType;
+use cubecl::ir::ElemType;
 
 use crate::kernel::config::{BiasAdd, ScoreParams, Staged, TileConfig, TilePath};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::batch_inner;
-use crate::kernel::tensors::{InputFacts, ScoreFacts};
+use crate::kernel::tensors::{BF16, F32, InputFacts, ScoreFacts, U32};
 use crate::kernel::tuning::{choice_override, flag_override, shape_override};
 
 /// What the forward plan is decided on, beside the device.
 #[derive(Clone, Copy, Debug)]
 pub struct ForwardProblem {
-    pub dtype: DType,
+    pub dtype: ElemType,
     pub batch: usize,
     pub head_dim: usize,
     pub value_dim: usize,
@@ -42,7 +42,7 @@ pub struct ForwardPlan {
 /// with which tile. `Err` carries the reason the caller logs before taking the fallback.
 pub fn support(
     caps: &DeviceCaps,
-    dtype: DType,
+    dtype: ElemType,
     head_dim: usize,
     value_dim: usize,
 ) -> Result<TilePath, String> {
@@ -59,7 +59,7 @@ impl ForwardPlan {
         let tile = support(caps, dtype, problem.head_dim, problem.value_dim)?;
         let cfg = block_shapes(tile, problem.head_dim, problem.value_dim)
             .with_scores(&params)
-            .with_bounded_max(params.softcap, matches!(dtype, DType::BF16 | DType::F32));
+            .with_bounded_max(params.softcap, dtype == BF16 || dtype == F32);
         let (cfg, pack_mask) = stage_inputs(caps, cfg, &problem.inputs, dtype);
         let cfg = match cfg.staged.bias {
             Some(_) => cfg.with_staged(Staged {
@@ -165,7 +165,7 @@ fn stage_inputs(
     caps: &DeviceCaps,
     cfg: TileConfig,
     inputs: &ScoreFacts,
-    dtype: DType,
+    dtype: ElemType,
 ) -> (TileConfig, bool) {
     let packs = cfg.tile == TilePath::TensorCore
         && cfg.mask.tensor
@@ -190,7 +190,7 @@ fn stage_inputs(
 /// the K/V stages (the mask first, the smaller). The others are read in place. The bias gets one
 /// stage instead of two where that keeps more cubes per SM (head dim 128 on an H100).
 /// `BURN_FLASH_STAGE_INPUTS=0` reads both in place (tuning runs).
-fn staging(caps: &DeviceCaps, cfg: &TileConfig, inputs: &ScoreFacts, dtype: DType) -> Staged {
+fn staging(caps: &DeviceCaps, cfg: &TileConfig, inputs: &ScoreFacts, dtype: ElemType) -> Staged {
     static DISABLED: OnceLock<bool> = OnceLock::new();
     let disabled =
         DISABLED.get_or_init(|| std::env::var("BURN_FLASH_STAGE_INPUTS").is_ok_and(|v| v == "0"));
@@ -204,7 +204,7 @@ fn staging(caps: &DeviceCaps, cfg: &TileConfig, inputs: &ScoreFacts, dtype: DTyp
         (seq_k.is_multiple_of(chunk) && cfg.block_kv.is_multiple_of(chunk)).then_some(chunk)
     };
     let mask = if cfg.mask.packed {
-        inputs.mask.map(|_| 16 / DType::U32.size())
+        inputs.mask.map(|_| 16 / U32.size())
     } else {
         chunk(inputs.mask)
     };
@@ -249,13 +249,13 @@ fn staging(caps: &DeviceCaps, cfg: &TileConfig, inputs: &ScoreFacts, dtype: DTyp
 /// factor exceeds 1.004 (so that the lowest finite bf16 times it overflows to the `-inf` it
 /// stands for); else converted per score. `BURN_FLASH_BIAS_MMA=0` converts always (tuning
 /// runs).
-fn bias_add(scale: f32, dtype: DType) -> BiasAdd {
+fn bias_add(scale: f32, dtype: ElemType) -> BiasAdd {
     static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
     let factor = 1.0 / scale;
     let exact = half::bf16::from_f32(factor).to_f32() == factor;
     let overflows = (half::bf16::MIN.to_f32() * factor).is_infinite();
     let forced_off = *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_BIAS_MMA")) == Some(false);
-    if dtype == DType::BF16 && exact && overflows && !forced_off {
+    if dtype == BF16 && exact && overflows && !forced_off {
         BiasAdd::Mma
     } else {
         BiasAdd::Convert
@@ -271,7 +271,7 @@ mod tests {
     fn problem(d: usize, options: FlashAttentionOptions, inputs: ScoreFacts) -> ForwardProblem {
         let mask_dims = inputs.mask.map(|mask| mask.dims);
         ForwardProblem {
-            dtype: DType::BF16,
+            dtype: BF16,
             batch: 4,
             head_dim: d,
             value_dim: d,
@@ -298,7 +298,7 @@ mod tests {
         // f32 takes the portable tile even where tensor cores exist; head dim 72 has no
         // tensor-core tile and is refused with the reason.
         let f32 = ForwardProblem {
-            dtype: DType::F32,
+            dtype: F32,
             ..plain
         };
         assert_eq!(

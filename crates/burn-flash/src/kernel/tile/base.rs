@@ -43,7 +43,7 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// Raw scores S = Q·Kᵀ of this unit's registers for the K block staged at `stage_base`.
     fn scores(
         query: &Self::Query,
-        keys: &SharedMemory<E>,
+        keys: &Shared<[E]>,
         stage_base: usize,
         #[comptime] cfg: TileConfig,
     ) -> Array<f32>;
@@ -52,7 +52,7 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// `scores` (`cfg.score_regs()` of them) instead of starting from zeros.
     fn add_scores(
         query: &Self::Query,
-        keys: &SharedMemory<E>,
+        keys: &Shared<[E]>,
         stage_base: usize,
         scores: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
@@ -61,7 +61,7 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// O += P·V for the V block staged at `stage_base`, P being this unit's score registers.
     fn accumulate(
         probs: &Array<f32>,
-        values: &SharedMemory<E>,
+        values: &Shared<[E]>,
         stage_base: usize,
         out: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
@@ -78,11 +78,11 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     fn accumulate_split(
         probs: &Array<f32>,
         grads: &Array<f32>,
-        exchange: &mut SharedMemory<E>,
-        second: &SharedMemory<E>,
+        exchange: &mut Shared<[E]>,
+        second: &Shared<[E]>,
         second_base: usize,
         second_out: &mut Array<f32>,
-        first: &SharedMemory<E>,
+        first: &Shared<[E]>,
         first_base: usize,
         first_out: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
@@ -105,9 +105,9 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     fn add_transposed_product<N: Size>(
         grads: &Array<f32>,
         owned: &Self::Query,
-        scratch: &mut SharedMemory<E>,
-        staging: &mut SharedMemory<f32>,
-        accum: &mut Tensor<Atomic<Vector<f32, N>>>,
+        scratch: &mut Shared<[E]>,
+        staging: &mut Shared<[f32]>,
+        accum: &mut ComptimeOption<&mut Tensor<Atomic<Vector<f32, N>>>>,
         accum_base: usize,
         staged_start: usize,
         staged_len: usize,
@@ -142,7 +142,7 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// ([`input_offset`](crate::kernel::stage::input_offset)) to the score registers.
     fn add_staged(
         scores: &mut Array<f32>,
-        stage: &SharedMemory<E>,
+        stage: &Shared<[E]>,
         base: usize,
         factor: &Self::StagedFactor,
         #[comptime] cfg: TileConfig,

@@ -54,8 +54,8 @@ pub struct MmaStagedFactor<E: Float> {
 #[cube]
 fn pair<T: Float>(first: T, second: T) -> Pair<T> {
     let mut pair = Pair::<T>::empty();
-    pair[0] = first;
-    pair[1] = second;
+    pair.insert(0usize, first);
+    pair.insert(1usize, second);
     pair
 }
 
@@ -70,10 +70,10 @@ fn load_acc(regs: &Array<f32>, #[comptime] tile: usize) -> Array<Pair<f32>> {
 
 #[cube]
 fn store_acc(acc: &Array<Pair<f32>>, regs: &mut Array<f32>, #[comptime] tile: usize) {
-    regs[tile * 4] = acc[0][0];
-    regs[tile * 4 + 1] = acc[0][1];
-    regs[tile * 4 + 2] = acc[1][0];
-    regs[tile * 4 + 3] = acc[1][1];
+    regs[tile * 4] = acc[0].extract(0usize);
+    regs[tile * 4 + 1] = acc[0].extract(1usize);
+    regs[tile * 4 + 2] = acc[1].extract(0usize);
+    regs[tile * 4 + 3] = acc[1].extract(1usize);
 }
 
 /// Write `factor` times this plane's accumulator-shaped registers `regs` (its `cols` columns per
@@ -86,7 +86,7 @@ fn store_acc(acc: &Array<Pair<f32>>, regs: &mut Array<f32>, #[comptime] tile: us
 fn write_tile<E: Float>(
     regs: &Array<f32>,
     factor: f32,
-    tile: &mut SharedMemory<E>,
+    tile: &mut Shared<[E]>,
     #[comptime] first_row: usize,
     #[comptime] cols: usize,
     #[comptime] width: usize,
@@ -124,7 +124,7 @@ fn write_tile<E: Float>(
 #[cube]
 fn publish<E: Float>(
     regs: &Array<f32>,
-    tile: &mut SharedMemory<E>,
+    tile: &mut Shared<[E]>,
     #[comptime] slot: usize,
     #[comptime] cfg: TileConfig,
 ) {
@@ -194,7 +194,7 @@ fn part_start(
 /// placeholder.
 #[derive(CubeType)]
 pub struct MmaQuery<E: Float> {
-    stage: SharedMemory<E>,
+    stage: Shared<[E]>,
     regs: Array<Pair<E>>,
 }
 
@@ -203,7 +203,7 @@ pub struct MmaQuery<E: Float> {
 /// 0–15 address rows 0–15 at the step's first 8 columns, lanes 16–31 the next 8.
 #[cube]
 fn row_fragment<E: Float>(
-    stage: &SharedMemory<E>,
+    stage: &Shared<[E]>,
     #[comptime] first_row: usize,
     #[comptime] m: usize,
     #[comptime] step: usize,
@@ -221,7 +221,7 @@ fn row_fragment<E: Float>(
         comptime!(Pitch::rows(width)),
     );
     definition::<E>().load_matrix::<E, Const<2>>(
-        &stage.slice(at, at + CHUNK),
+        stage.slice(at, at + CHUNK),
         MatrixIdent::A,
         4usize,
         false,
@@ -280,7 +280,7 @@ fn acc_block_position<E: Float>(
 #[allow(clippy::too_many_arguments)]
 fn rows_product<E: Float>(
     a: &Array<Pair<E>>,
-    rows: &SharedMemory<E>,
+    rows: &Shared<[E]>,
     base: usize,
     part_chunk: usize,
     acc_regs: &mut Array<f32>,
@@ -306,7 +306,7 @@ fn rows_product<E: Float>(
             pitch,
         );
         let b = def.load_matrix::<E, Const<2>>(
-            &rows.slice(at, at + CHUNK),
+            rows.slice(at, at + CHUNK),
             MatrixIdent::B,
             4usize,
             true,
@@ -316,7 +316,7 @@ fn rows_product<E: Float>(
             #[unroll]
             for m in 0..m_tiles {
                 let tile = comptime!(m * out_tiles + tiles * 2 + half);
-                let mut acc = load_acc(acc_regs, tile);
+                let mut acc = load_acc(&*acc_regs, tile);
                 def.execute_inplace(
                     &operand::<E>(a, comptime!(m * 4), 4usize),
                     &operand::<E>(&b, comptime!(half * 2), 2usize),
@@ -337,10 +337,10 @@ fn rows_product<E: Float>(
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn transposed_product<E: Float, N: Size>(
-    scratch: &SharedMemory<E>,
-    owned: &SharedMemory<E>,
-    staging: &mut SharedMemory<f32>,
-    accum: &mut Tensor<Atomic<Vector<f32, N>>>,
+    scratch: &Shared<[E]>,
+    owned: &Shared<[E]>,
+    staging: &mut Shared<[f32]>,
+    accum: &mut ComptimeOption<&mut Tensor<Atomic<Vector<f32, N>>>>,
     accum_base: usize,
     staged_start: usize,
     staged_len: usize,
@@ -384,7 +384,7 @@ fn transposed_product<E: Float, N: Size>(
                     comptime!(Pitch::rows(cfg.block_kv)),
                 );
                 let fragment = def.load_matrix::<E, Const<2>>(
-                    &scratch.slice(at, at + CHUNK),
+                    scratch.slice(at, at + CHUNK),
                     MatrixIdent::A,
                     4usize,
                     true,
@@ -434,8 +434,8 @@ fn transposed_product<E: Float, N: Size>(
 #[allow(clippy::too_many_arguments)]
 fn add_rows<E: Float, N: Size>(
     regs: &Array<f32>,
-    staging: &mut SharedMemory<f32>,
-    accum: &mut Tensor<Atomic<Vector<f32, N>>>,
+    staging: &mut Shared<[f32]>,
+    accum: &mut ComptimeOption<&mut Tensor<Atomic<Vector<f32, N>>>>,
     accum_base: usize,
     row0: usize,
     staged_len: usize,
@@ -452,10 +452,10 @@ fn add_rows<E: Float, N: Size>(
     {
         let (lane_row, lane_col) = acc_position::<E>(0usize);
         let lane_pair = (region + lane_row * stride + lane_col) / 2;
-        let mut pairs = staging
+        let pairs = staging
             .slice_mut(0, len)
-            .into_vectorized()
-            .with_vector_size::<Const<2>>();
+            .as_vectorized_mut()
+            .with_vector_size_mut::<Const<2>>();
         #[unroll]
         for m in 0..rows / MMA_M {
             #[unroll]
@@ -478,10 +478,10 @@ fn add_rows<E: Float, N: Size>(
     let lane = UNIT_POS_X as usize;
     let pass_row = lane / quads_per_row;
     let col = lane % quads_per_row * 4;
-    let width = accum.vector_size();
+    let width = N::value();
     let quads = staging
         .slice(0, len)
-        .into_vectorized()
+        .as_vectorized()
         .with_vector_size::<Const<4>>();
     let lane_quad = (region + pass_row * stride + col) / 4;
     let lane_first = (accum_base + (row0 + pass_row) * cfg.head_dim + col) / width;
@@ -495,9 +495,12 @@ fn add_rows<E: Float, N: Size>(
                 let mut sum = Vector::<f32, N>::empty();
                 #[unroll]
                 for j in 0..comptime!(width) {
-                    sum[j] = quad[comptime!(i * width + j)];
+                    sum.insert(j, quad.extract(comptime!(i * width + j)));
                 }
-                accum[first + i].fetch_add(sum);
+                #[comptime]
+                if let ComptimeOption::Some(accum) = accum {
+                    accum[first + i].fetch_add(sum);
+                }
             }
         }
     }
@@ -508,9 +511,9 @@ fn add_rows<E: Float, N: Size>(
 /// the group's owned rows) and `values` the staged block at `stage_base`.
 #[cube]
 fn exchange_product<E: Float>(
-    exchange: &SharedMemory<E>,
+    exchange: &Shared<[E]>,
     #[comptime] slot: usize,
-    values: &SharedMemory<E>,
+    values: &Shared<[E]>,
     stage_base: usize,
     out: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
@@ -565,7 +568,7 @@ fn score_part_base(stage_base: usize, #[comptime] cfg: TileConfig) -> usize {
 #[cube]
 fn add_part_scores<E: Float>(
     query: &MmaQuery<E>,
-    keys: &SharedMemory<E>,
+    keys: &Shared<[E]>,
     stage_base: usize,
     scores: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
@@ -605,7 +608,7 @@ fn add_part_scores<E: Float>(
                 pitch,
             );
             let b = def.load_matrix::<E, Const<2>>(
-                &keys.slice(at, at + CHUNK),
+                keys.slice(at, at + CHUNK),
                 MatrixIdent::B,
                 4usize,
                 false,
@@ -613,7 +616,7 @@ fn add_part_scores<E: Float>(
             #[unroll]
             for m in 0..m_tiles {
                 let acc_tile = comptime!(m * n_tiles + tile);
-                let mut acc = load_acc(scores, acc_tile);
+                let mut acc = load_acc(&*scores, acc_tile);
                 #[unroll]
                 for s in 0..2usize {
                     def.execute_inplace(
@@ -630,8 +633,8 @@ fn add_part_scores<E: Float>(
 
 /// Shared memory for one owned block (`cfg.block_q` rows, swizzled like the stages).
 #[cube]
-fn query_stage<E: Float>(#[comptime] cfg: TileConfig) -> SharedMemory<E> {
-    SharedMemory::<E>::new_aligned(comptime!(cfg.block_q * cfg.head_stride()), SMEM_ALIGN)
+fn query_stage<E: Float>(#[comptime] cfg: TileConfig) -> Shared<[E]> {
+    Shared::<[E]>::new_aligned_slice(comptime!(cfg.block_q * cfg.head_stride()), SMEM_ALIGN)
 }
 
 /// Issue the copies of the owned block of `cfg.block_q` rows from `start` into `stage`.
@@ -641,7 +644,7 @@ fn copy_owned<E: Float>(
     head_base: usize,
     start: usize,
     seq: usize,
-    stage: &mut SharedMemory<E>,
+    stage: &mut Shared<[E]>,
     #[comptime] cfg: TileConfig,
 ) {
     copy_block_async::<E>(
@@ -661,7 +664,7 @@ fn copy_owned<E: Float>(
 /// The owned block copied into `stage`, with the plane's A fragments read into registers unless
 /// `cfg.query_in_smem()`. The copies must have landed.
 #[cube]
-fn query_fragments<E: Float>(stage: SharedMemory<E>, #[comptime] cfg: TileConfig) -> MmaQuery<E> {
+fn query_fragments<E: Float>(stage: Shared<[E]>, #[comptime] cfg: TileConfig) -> MmaQuery<E> {
     let steps = comptime!(cfg.head_dim / MMA_K);
     let held = comptime!(if cfg.query_in_smem() {
         1
@@ -740,7 +743,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
 
     fn scores(
         query: &MmaQuery<E>,
-        keys: &SharedMemory<E>,
+        keys: &Shared<[E]>,
         stage_base: usize,
         #[comptime] cfg: TileConfig,
     ) -> Array<f32> {
@@ -754,7 +757,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
 
     fn add_scores(
         query: &MmaQuery<E>,
-        keys: &SharedMemory<E>,
+        keys: &Shared<[E]>,
         stage_base: usize,
         scores: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
@@ -765,7 +768,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
 
     fn accumulate(
         probs: &Array<f32>,
-        values: &SharedMemory<E>,
+        values: &Shared<[E]>,
         stage_base: usize,
         out: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
@@ -805,11 +808,11 @@ impl<E: Float> AttentionTile<E> for MmaTile {
     fn accumulate_split(
         probs: &Array<f32>,
         grads: &Array<f32>,
-        exchange: &mut SharedMemory<E>,
-        second: &SharedMemory<E>,
+        exchange: &mut Shared<[E]>,
+        second: &Shared<[E]>,
         second_base: usize,
         second_out: &mut Array<f32>,
-        first: &SharedMemory<E>,
+        first: &Shared<[E]>,
         first_base: usize,
         first_out: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
@@ -821,22 +824,24 @@ impl<E: Float> AttentionTile<E> for MmaTile {
             publish::<E>(grads, exchange, grads_slot, cfg);
         }
         sync_cube();
-        exchange_product::<E>(exchange, 0usize, second, second_base, second_out, cfg);
+        exchange_product::<E>(&*exchange, 0usize, second, second_base, second_out, cfg);
         if comptime!(grads_slot == 0) {
             // One slot: every plane must be done reading P before dS replaces it.
             sync_cube();
             publish::<E>(grads, exchange, 0usize, cfg);
             sync_cube();
         }
-        exchange_product::<E>(exchange, grads_slot, first, first_base, first_out, key_cfg);
+        exchange_product::<E>(
+            &*exchange, grads_slot, first, first_base, first_out, key_cfg,
+        );
     }
 
     fn add_transposed_product<N: Size>(
         grads: &Array<f32>,
         owned: &MmaQuery<E>,
-        scratch: &mut SharedMemory<E>,
-        staging: &mut SharedMemory<f32>,
-        accum: &mut Tensor<Atomic<Vector<f32, N>>>,
+        scratch: &mut Shared<[E]>,
+        staging: &mut Shared<[f32]>,
+        accum: &mut ComptimeOption<&mut Tensor<Atomic<Vector<f32, N>>>>,
         accum_base: usize,
         staged_start: usize,
         staged_len: usize,
@@ -849,7 +854,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
             sync_cube();
         }
         transposed_product::<E, N>(
-            scratch,
+            &*scratch,
             &owned.stage,
             staging,
             accum,
@@ -896,14 +901,14 @@ impl<E: Float> AttentionTile<E> for MmaTile {
             if id < chunks && start + row < seq {
                 let at = stage_offset(row, chunk * CHUNK, stride, true);
                 let to = head_base + (start + row) * row_stride + chunk * CHUNK;
-                let mut dst = out
+                let dst = out
                     .slice_mut(to, to + CHUNK)
-                    .into_vectorized()
-                    .with_vector_size::<Const<CHUNK>>();
+                    .as_vectorized_mut()
+                    .with_vector_size_mut::<Const<CHUNK>>();
                 dst[0] = owned
                     .stage
                     .slice(at, at + CHUNK)
-                    .into_vectorized()
+                    .as_vectorized()
                     .with_vector_size::<Const<CHUNK>>()[0];
             }
         }
@@ -926,8 +931,10 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                             comptime!((reg * 2 + e) as u32),
                             MatrixIdent::B,
                         );
-                        diagonal[e] =
-                            select(k == n + comptime!(half as u32 * 8), value, E::new(0.0));
+                        diagonal.insert(
+                            e,
+                            select(k == n + comptime!(half as u32 * 8), value, E::new(0.0)),
+                        );
                     }
                     diagonals[comptime!(half * 2 + reg)] = diagonal;
                 }
@@ -942,7 +949,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
 
     fn add_staged(
         scores: &mut Array<f32>,
-        stage: &SharedMemory<E>,
+        stage: &Shared<[E]>,
         base: usize,
         factor: &MmaStagedFactor<E>,
         #[comptime] cfg: TileConfig,
@@ -966,7 +973,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                     comptime!(Pitch::rows(cfg.block_kv)),
                 );
                 let fragment = def.load_matrix::<E, Const<2>>(
-                    &stage.slice(at, at + CHUNK),
+                    stage.slice(at, at + CHUNK),
                     MatrixIdent::A,
                     4usize,
                     false,
@@ -980,7 +987,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                     #[unroll]
                     for half in 0..2usize {
                         let acc_tile = comptime!(m * n_tiles + pair * 2 + half);
-                        let mut acc = load_acc(scores, acc_tile);
+                        let mut acc = load_acc(&*scores, acc_tile);
                         def.execute_inplace(
                             &bias,
                             &operand::<E>(&factor.diagonals, comptime!(half * 2), 2usize),
@@ -992,8 +999,9 @@ impl<E: Float> AttentionTile<E> for MmaTile {
                     #[unroll]
                     for i in 0..4usize {
                         let reg = comptime!((m * n_tiles + pair * 2 + i / 2) * 4 + i % 2 * 2);
-                        scores[reg] += f32::cast_from(fragment[i][0]) * factor.value;
-                        scores[comptime!(reg + 1)] += f32::cast_from(fragment[i][1]) * factor.value;
+                        scores[reg] += f32::cast_from(fragment[i].extract(0usize)) * factor.value;
+                        scores[comptime!(reg + 1)] +=
+                            f32::cast_from(fragment[i].extract(1usize)) * factor.value;
                     }
                 }
             }

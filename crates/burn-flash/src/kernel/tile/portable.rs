@@ -51,7 +51,7 @@ impl<E: Float> AttentionTile<E> for PortableTile {
 
     fn scores(
         query: &Array<f32>,
-        keys: &SharedMemory<E>,
+        keys: &Shared<[E]>,
         stage_base: usize,
         #[comptime] cfg: TileConfig,
     ) -> Array<f32> {
@@ -62,7 +62,7 @@ impl<E: Float> AttentionTile<E> for PortableTile {
 
     fn add_scores(
         query: &Array<f32>,
-        keys: &SharedMemory<E>,
+        keys: &Shared<[E]>,
         stage_base: usize,
         scores: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
@@ -81,7 +81,7 @@ impl<E: Float> AttentionTile<E> for PortableTile {
 
     fn accumulate(
         probs: &Array<f32>,
-        values: &SharedMemory<E>,
+        values: &Shared<[E]>,
         stage_base: usize,
         out: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
@@ -100,11 +100,11 @@ impl<E: Float> AttentionTile<E> for PortableTile {
     fn accumulate_split(
         probs: &Array<f32>,
         grads: &Array<f32>,
-        _exchange: &mut SharedMemory<E>,
-        second: &SharedMemory<E>,
+        _exchange: &mut Shared<[E]>,
+        second: &Shared<[E]>,
         second_base: usize,
         second_out: &mut Array<f32>,
-        first: &SharedMemory<E>,
+        first: &Shared<[E]>,
         first_base: usize,
         first_out: &mut Array<f32>,
         #[comptime] cfg: TileConfig,
@@ -118,9 +118,9 @@ impl<E: Float> AttentionTile<E> for PortableTile {
     fn add_transposed_product<N: Size>(
         grads: &Array<f32>,
         owned: &Array<f32>,
-        _scratch: &mut SharedMemory<E>,
-        _staging: &mut SharedMemory<f32>,
-        accum: &mut Tensor<Atomic<Vector<f32, N>>>,
+        _scratch: &mut Shared<[E]>,
+        _staging: &mut Shared<[f32]>,
+        accum: &mut ComptimeOption<&mut Tensor<Atomic<Vector<f32, N>>>>,
         accum_base: usize,
         staged_start: usize,
         staged_len: usize,
@@ -130,13 +130,16 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         // (unit, staged row, column), so `N` is 1. Owned rows past the end are zeros and add
         // nothing.
         let row_stride = cfg.head_dim;
-        #[unroll]
-        for j in 0..cfg.block_kv {
-            let row = staged_start + j;
-            if row < staged_len {
-                let base = accum_base + row * row_stride;
-                for c in 0..cfg.head_dim {
-                    accum[base + c].fetch_add(Vector::new(grads[j] * owned[c]));
+        #[comptime]
+        if let ComptimeOption::Some(accum) = accum {
+            #[unroll]
+            for j in 0..cfg.block_kv {
+                let row = staged_start + j;
+                if row < staged_len {
+                    let base = accum_base + row * row_stride;
+                    for c in 0..cfg.head_dim {
+                        accum[base + c].fetch_add(Vector::new(grads[j] * owned[c]));
+                    }
                 }
             }
         }
@@ -148,7 +151,7 @@ impl<E: Float> AttentionTile<E> for PortableTile {
 
     fn add_staged(
         scores: &mut Array<f32>,
-        stage: &SharedMemory<E>,
+        stage: &Shared<[E]>,
         base: usize,
         factor: &f32,
         #[comptime] cfg: TileConfig,
