@@ -7,7 +7,7 @@
 #   scripts/gpu-run.sh sanitize # compute-sanitizer (SANITIZERS) over the kernels on ragged shapes
 #   scripts/gpu-run.sh sources # dump the fused kernels' generated CUDA source (forward, backward)
 #   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV (TIMING)
-#   scripts/gpu-run.sh port    # the Burn 0.21 (.gpu) and Burn 0.23 (.gpu/next) builds' benches beside the torch script
+#   scripts/gpu-run.sh table   # docs/performance.md's table: forward and training step (both dQ) beside the torch script
 #   scripts/gpu-run.sh timing  # our forward timed b2b and clear (as do_bench), beside the torch script
 #   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
 #   scripts/gpu-run.sh features # issue 6's feature table (FEATURE_MODES, default fwd; BENCH_ARGS)
@@ -19,26 +19,22 @@
 # Several stages may be given; they run in order.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# The binaries: `.gpu` (the root's, Burn 0.21) or `.gpu/next` (next/'s, Burn 0.23:
-# `scripts/pack-gpu.sh next`).
+# The binaries: those of `scripts/pack-gpu.sh` in `.gpu`, or another folder of them (e.g. the
+# same script run at another commit, for the `table` stage's TABLE_BINS).
 BIN=${BIN:-.gpu}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-for f in .gpu/*.xz .gpu/next/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
-chmod +x .gpu/test-* .gpu/bench-* .gpu/gpt .gpu/next/* 2>/dev/null
+for f in .gpu/*.xz .gpu/*/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
+chmod +x .gpu/test-* .gpu/bench-* .gpu/gpt .gpu/*/* 2>/dev/null
 if [ -e .gpu/fortunes.tar ]; then mkdir -p /tmp/corpus && tar -xf .gpu/fortunes.tar -C /tmp/corpus; fi
 # CubeCL's autotune results and compiled PTX, kept between calls: a GPT process otherwise spends
 # its first five minutes compiling and autotuning Burn's kernels on the CPU. CACHE=1 turns the
 # PTX cache on and returns both as $OUT/cubecl-cache.tar.xz (kept as .gpu/cubecl-cache.tar.xz).
 if [ "${CACHE:-0}" = 1 ]; then
-  # CubeCL 0.10 (.gpu) names a cache directory per kind; 0.12 (.gpu/next) keeps both kinds in
-  # one database under target/environment/, its autotune results there by default.
-  if [ "$BIN" = .gpu ]; then
-    printf '[compilation]\ncache = "target"\n\n[autotune]\ncache = "target"\n' >cubecl.toml
-  else
-    printf '[compilation]\ncache = true\n' >cubecl.toml
-  fi
+  # CubeCL 0.12 keeps compiled kernels and autotune results in one database under
+  # target/environment/ (autotune results there by default).
+  printf '[compilation]\ncache = true\n' >cubecl.toml
   if [ -e .gpu/cubecl-cache.tar ]; then mkdir -p target && tar -xf .gpu/cubecl-cache.tar -C target; fi
   trap 'tar -cf - -C target . | xz -T0 -6 >"$OUT/cubecl-cache.tar.xz"' EXIT
 fi
@@ -187,16 +183,16 @@ EOF
       >"$OUT/h100.csv"
     sed -n '/^# summary/,$p' "$OUT/bench.csv" >"$OUT/summary.txt"
     ;;
-  port)
-    # The port's acceptance table (next/README.md): burn-flash of the Burn 0.21 build (.gpu) and
-    # of the Burn 0.23 build (.gpu/next) on the same shapes, forward and training step, the
-    # latter also with the atomic dQ, beside PyTorch's backends; one CSV per build.
+  table)
+    # docs/performance.md's table: burn-flash's forward and training step, the latter also with
+    # the atomic dQ, beside PyTorch's backends, one CSV per folder of binaries in TABLE_BINS
+    # (default BIN; give two to set builds side by side). Burn's built-in attention is left to
+    # a call of its own: its first call per shape autotunes for minutes (docs/perf-notes.md,
+    # 2026-11-28).
     python3 .gpu/torch_sdpa_bench.py --d "$BENCH_D" --n "$BENCH_N" --causal both \
       --backends flash,cudnn --modes fwd,fwdbwd 2>"$OUT/torch.err" | tee "$OUT/torch.csv"
-    for bin in .gpu .gpu/next; do
-      # Burn 0.23's built-in attention is left to a call of its own: its first call per shape
-      # autotunes for minutes, which ran this stage out of time (docs/perf-notes.md, 2026-11-28).
-      tag=burn021 && [ "$bin" = .gpu/next ] && tag=burn023
+    for bin in ${TABLE_BINS:-$BIN}; do
+      tag=$(basename "$bin")
       {
         $bin/bench-attention --impls burn-flash --d "$BENCH_D" --n "$BENCH_N" --causal both \
           --modes fwd,fwdbwd --timing "$TIMING" ${BENCH_ARGS:-}
@@ -278,14 +274,7 @@ EOF
     [ -n "$nccl" ] || nccl=$(dirname "$(ldconfig -p | awk '/libnccl\.so/ { print $NF; exit }')")
     mkdir -p /tmp/nccl && ln -sf "$(ls "$nccl"/libnccl.so* | head -1)" /tmp/nccl/libnccl.so
     export LD_LIBRARY_PATH=/tmp/nccl:$LD_LIBRARY_PATH
-    # Autotune results are kept per device index; the GPUs of one machine are alike, so the
-    # first device's serve the others instead of five more minutes of tuning each (copied
-    # before each run: the one-GPU run fills them when no cache came along).
-    tuned=target/autotune/0.10.0/device-0-0-cuda
     for db in ${GPT_MULTI:-1:16 2:32 2:16}; do
-      for i in 1 2 3 4 5 6 7; do
-        [ -d "$tuned" ] && [ ! -e "${tuned%0-cuda}$i-cuda" ] && cp -r "$tuned" "${tuned%0-cuda}$i-cuda"
-      done
       timeout "$(gpt_limit)" "${GPT[@]}" --attention flash --context 1024 \
         --devices "${db%:*}" --batch "${db#*:}" --steps "${GPT_STEPS:-100}" --warmup 10 \
         --eval-every 50 --eval-batches 4 --csv "$OUT/gpt-multi-${db/:/x}.csv" \

@@ -2,7 +2,7 @@
 //! an H100, written without a GPU:
 //!
 //! ```text
-//! cargo run --release --features cuda --example kernel_sources -- OUTDIR [--d 64,128] [--seq 4096]
+//! cargo run --release --features cuda -p burn-flash --example kernel_sources -- OUTDIR [--d 64,128] [--seq 4096]
 //! scripts/profile/ptxas/compile.sh OUTDIR/*.cu   # NVRTC + ptxas: registers, spills, SASS
 //! ```
 //!
