@@ -391,7 +391,6 @@ mod wgpu {
             left,
             right,
             softcap,
-            top_left: false,
         };
         (problem, spec, scale)
     }

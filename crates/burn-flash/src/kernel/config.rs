@@ -215,10 +215,6 @@ pub struct MaskConfig {
     /// The mask input reaches the tensor-core forward packed, a bit per pair
     /// ([`pack`](super::pack)), and is staged as words.
     pub packed: bool,
-    /// The diagonal of query `i` is key `i` (top-left alignment) rather than
-    /// `i + seq_k - seq_q` (bottom-right, Burn's default); it places the band and ALiBi. Set
-    /// only where the two differ (`seq_q != seq_k`) and something reads the diagonal.
-    pub top_left: bool,
 }
 
 impl TileConfig {
@@ -817,19 +813,12 @@ impl ScoreParams {
         seq_k: usize,
     ) -> Self {
         let window = options.window.unwrap_or_default();
-        // The diagonal of query i is key i + shift, shift = seq_k - seq_q (bottom-right) or 0
-        // (top-left).
-        let top_left = options.causal_alignment == burn::tensor::ops::CausalAlignment::TopLeft
-            && seq_q != seq_k;
-        let (diag_q, diag_k) = if top_left { (0, 0) } else { (seq_q, seq_k) };
-        // Query i sees keys from i + shift - left: every key once left >= seq_q + shift (the
-        // last query's bound is then below 0; bottom-right: left >= seq_k) ...
-        let left = window.left.filter(|&left| left + diag_q < seq_q + diag_k);
-        // ... up to i + shift + right: every key once right >= seq_k - shift (bottom-right:
-        // right >= seq_q).
+        // Query i sees keys from i + seq_k - seq_q - left: every key once left >= seq_k.
+        let left = window.left.filter(|&left| left < seq_k);
+        // ... up to i + seq_k - seq_q + right: every key once right >= seq_q.
         let right = match (options.causal, window.right) {
             (true, _) => Some(0),
-            (false, right) => right.filter(|&right| right + diag_k < seq_k + diag_q),
+            (false, right) => right.filter(|&right| right < seq_q),
         };
         let offset = |value: Option<usize>| {
             u32::try_from(value.unwrap_or(0)).expect("a window side shorter than the sequence")
@@ -842,7 +831,6 @@ impl ScoreParams {
                 tensor: false,
                 per_key: false,
                 packed: false,
-                top_left: top_left && (left.is_some() || right.is_some() || options.alibi),
             },
             bias: false,
             left: offset(left),
