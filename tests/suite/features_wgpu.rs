@@ -109,6 +109,7 @@ fn band(causal: bool, left: Option<usize>, right: Option<usize>) -> Spec {
         left,
         right,
         softcap: None,
+        top_left: false,
     }
 }
 
@@ -226,10 +227,44 @@ fn combined_features() {
         left: Some(24),
         right: None,
         softcap: Some(3.0),
+        top_left: false,
     };
     check_all(
         &[(Problem::cross(1, 4, 77, 93, 64).grouped(2), spec, Some(0.3))],
         400,
+        true,
+    );
+}
+
+/// Burn's `CausalAlignment::TopLeft` (PyTorch's `is_causal`): the diagonal of query `i` is key
+/// `i` whatever the lengths, for the causal mask and the window alike. With more keys than
+/// queries the keys past the last diagonal get no gradient; with fewer, no row is empty.
+#[test]
+fn top_left_alignment() {
+    let causal = causal().top_left();
+    assert_eq!(causal.visible(1, 3, 8), [0, 1]);
+    assert_eq!(causal.visible(5, 8, 3), [0, 1, 2]);
+    check_all(
+        &[
+            (Problem::cross(1, 2, 40, 90, 64), causal, None),
+            (Problem::cross(1, 2, 90, 40, 64).grouped(1), causal, None),
+            (
+                Problem::cross(1, 1, 50, 120, 64),
+                band(false, Some(5), Some(7)).top_left(),
+                None,
+            ),
+            (
+                Problem::cross(2, 1, 70, 30, 64),
+                band(true, Some(9), None).top_left(),
+                None,
+            ),
+            (
+                Problem::cross(1, 2, 33, 77, 32),
+                band(true, Some(12), None).top_left(),
+                Some(0.4),
+            ),
+        ],
+        450,
         true,
     );
 }
@@ -243,9 +278,13 @@ fn features_on_the_fallback() {
         left: Some(6),
         right: None,
         softcap: Some(4.0),
+        top_left: false,
     };
     check_all(
-        &[(Problem::cross(1, 4, 19, 23, 288).grouped(2), spec, None)],
+        &[
+            (Problem::cross(1, 4, 19, 23, 288).grouped(2), spec, None),
+            (Problem::cross(1, 2, 23, 19, 288), spec.top_left(), None),
+        ],
         500,
         false,
     );
@@ -260,6 +299,7 @@ fn reference_gradients_match_finite_differences() {
         left: Some(2),
         right: Some(1),
         softcap: Some(1.5),
+        top_left: false,
     };
     // The band hides keys: of 7 keys, the first and last of 6 queries see 3 each.
     assert_eq!(spec.visible(0, 6, 7), [0, 1, 2]);

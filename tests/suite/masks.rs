@@ -300,7 +300,7 @@ pub fn run(
     };
     // ALiBi adds to the bias input, if any.
     let extra = if case.alibi {
-        let alibi = common::alibi_scores(&p);
+        let alibi = common::alibi_scores(&p, case.spec.top_left);
         Scores {
             bias: Some(match extra.bias {
                 Some(bias) => bias.iter().zip(&alibi).map(|(b, a)| b + a).collect(),
@@ -435,6 +435,7 @@ mod wgpu {
             left: Some(30),
             right: None,
             softcap: Some(4.0),
+            top_left: false,
         }
     }
 
@@ -632,6 +633,21 @@ mod wgpu {
                 Case::new(
                     Problem::cross(1, 8, 50, 30, 16),
                     Spec::from(false),
+                    MaskInput::None,
+                    None,
+                )
+                .with_alibi(),
+                // Top-left: the distances are to key `i`, causal or not.
+                Case::new(
+                    Problem::cross(1, 4, 30, 50, 16),
+                    Spec::from(true).top_left(),
+                    MaskInput::None,
+                    None,
+                )
+                .with_alibi(),
+                Case::new(
+                    Problem::cross(1, 3, 45, 20, 16),
+                    Spec::from(false).top_left(),
                     MaskInput::None,
                     None,
                 )

@@ -184,6 +184,7 @@ fn features_match_the_f64_reference() {
         left: Some(6),
         right: None,
         softcap: Some(3.0),
+        top_left: false,
     };
     device.seed(9);
     let module = FlashMultiHeadAttentionConfig::new(D_MODEL, heads)
@@ -231,7 +232,7 @@ fn features_match_the_f64_reference() {
         ),
         bias: Some(
             (0..pairs)
-                .zip(common::alibi_scores(&problem))
+                .zip(common::alibi_scores(&problem, false))
                 .map(|(at, alibi)| bias[at % (heads * seq * seq)] as f64 + alibi)
                 .collect(),
         ),

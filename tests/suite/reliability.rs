@@ -391,6 +391,7 @@ mod wgpu {
             left,
             right,
             softcap,
+            top_left: false,
         };
         (problem, spec, scale)
     }

@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use burn::backend::Dispatch;
 use burn::tensor::module::attention_fallback;
-use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::ops::{AttentionModuleOptions, CausalAlignment};
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use crate::backend::{FlashAttentionBackend, FlashAttentionProblem, ScoreInputs};
@@ -496,7 +496,11 @@ fn fallback(
     };
     let scores = [batch, heads, seq_q, seq_k];
     let bias = if options.alibi {
-        let alibi = alibi_bias(heads, seq_q, seq_k, q.dtype(), &q.device()).expand(scores);
+        let shift = match options.causal_alignment {
+            CausalAlignment::BottomRight => seq_k as f64 - seq_q as f64,
+            CausalAlignment::TopLeft => 0.0,
+        };
+        let alibi = alibi_bias(heads, seq_q, seq_k, shift, q.dtype(), &q.device()).expand(scores);
         Some(bias.map_or(alibi.clone(), |bias| bias.expand(scores) + alibi))
     } else {
         bias
@@ -531,12 +535,14 @@ fn fallback(
     op(q, expand(k), expand(v), mask, bias, options.into())
 }
 
-/// ALiBi's bias `[1, heads, seq_q, seq_k]`, `−slope_h · |j − (i + seq_k − seq_q)|`, in `dtype`,
-/// formed on the device from the slopes and the key and diagonal positions.
+/// ALiBi's bias `[1, heads, seq_q, seq_k]`, `−slope_h · |j − (i + shift)|` (the diagonal of query
+/// `i` is key `i + shift`), in `dtype`, formed on the device from the slopes and the key and
+/// diagonal positions.
 fn alibi_bias(
     heads: usize,
     seq_q: usize,
     seq_k: usize,
+    shift: f64,
     dtype: DType,
     device: &Device,
 ) -> Tensor<4> {
@@ -548,7 +554,7 @@ fn alibi_bias(
     let keys = Tensor::<1, Int>::arange(0..seq_k as i64, device).float();
     let diagonals = Tensor::<1, Int>::arange(0..seq_q as i64, device)
         .float()
-        .add_scalar(seq_k as f64 - seq_q as f64);
+        .add_scalar(shift);
     let distance = (keys.unsqueeze::<2>() - diagonals.unsqueeze_dim::<2>(1)).abs();
     (slopes.reshape([1, heads, 1, 1]) * distance.unsqueeze::<4>()).cast(dtype)
 }

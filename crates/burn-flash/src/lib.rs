@@ -63,5 +63,7 @@ pub use backend::{
 };
 pub use error::FlashAttentionError;
 pub use kernel::TilePath;
-pub use options::{AttentionDropout, AttentionWindow, FlashAttentionOptions, alibi_slopes};
+pub use options::{
+    AttentionDropout, AttentionWindow, CausalAlignment, FlashAttentionOptions, alibi_slopes,
+};
 pub use support::{flash_attention_backward_support, flash_attention_support};

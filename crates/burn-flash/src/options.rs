@@ -1,20 +1,26 @@
 //! The options of one attention call.
 
+pub use burn::tensor::ops::CausalAlignment;
+
 /// Options of [`flash_attention`](crate::flash_attention): causal masking, sliding window, the
 /// softmax scale, the softcap, ALiBi, dropout, and whether the backward must be deterministic.
 ///
 /// The conventions are those of Burn's `burn::tensor::module::attention`:
 ///
-/// - `causal`: query `i` sees key `j` when `j <= i + (seq_k - seq_q)`, i.e. the mask is aligned
-///   to the bottom-right corner of the score matrix. With `seq_k == seq_q` this is the usual
-///   lower-triangular mask; with `seq_k > seq_q` (a decoder step over a KV cache) every query sees
-///   the whole prefix. A query row that sees no key at all (possible when `seq_k < seq_q`) gets
-///   an output of 0, not NaN.
+/// - `causal`: query `i` sees key `j` when `j <= diag(i)`, its diagonal. By default (Burn's
+///   [`CausalAlignment::BottomRight`]) `diag(i) = i + (seq_k - seq_q)`: the mask is aligned to the
+///   bottom-right corner of the score matrix, so with `seq_k > seq_q` (a decoder step over a KV
+///   cache) every query sees the whole prefix. `causal_alignment`
+///   ([`CausalAlignment::TopLeft`], PyTorch's `is_causal`) makes it `diag(i) = i`. With
+///   `seq_k == seq_q` both are the usual lower-triangular mask. A query row that sees no key at
+///   all (possible when `seq_k < seq_q`) gets an output of 0, not NaN.
+/// - `causal_alignment`: where the diagonal of every band lies (the causal mask's, the window's
+///   and ALiBi's), as Burn's `AttentionModuleOptions::causal_alignment`.
 /// - `scale`: the factor applied to `Q·Kᵀ` before the softmax; `None` means
 ///   `1 / sqrt(head_dim)`. It must be finite and positive.
-/// - `window`: a band of keys around each query's diagonal (key `i + seq_k - seq_q` for query
-///   `i`, the same bottom-right alignment as the causal mask); keys outside it are hidden. See
-///   [`AttentionWindow`]. Combined with `causal`, the band ends at the diagonal.
+/// - `window`: a band of keys around each query's diagonal (`diag(i)`, as the causal mask's);
+///   keys outside it are hidden. See [`AttentionWindow`]. Combined with `causal`, the band ends
+///   at the diagonal.
 /// - `softcap`: scores become `softcap · tanh(scale · q·k / softcap)` before the softmax
 ///   (Gemma-2), as Burn's `AttentionModuleOptions::softcap`. It must be finite and positive.
 /// - `alibi`: ALiBi's linear biases, `−slope_h · |j − diag(i)|` added to the scaled scores of
@@ -51,8 +57,11 @@
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct FlashAttentionOptions {
-    /// Apply the causal mask, aligned bottom-right (see the type's documentation).
+    /// Apply the causal mask (see the type's documentation).
     pub causal: bool,
+    /// Where each query's diagonal lies when `seq_q != seq_k`: bottom-right (Burn's default) or
+    /// top-left. It places the causal mask, the window and ALiBi alike.
+    pub causal_alignment: CausalAlignment,
     /// Scale applied to `Q·Kᵀ`; `None` means `1 / sqrt(head_dim)`.
     pub scale: Option<f64>,
     /// Hide keys outside a band around each query's diagonal; `None`: no band.
@@ -72,6 +81,7 @@ impl Default for FlashAttentionOptions {
     fn default() -> Self {
         Self {
             causal: false,
+            causal_alignment: CausalAlignment::BottomRight,
             scale: None,
             window: None,
             softcap: None,
@@ -150,8 +160,10 @@ impl AttentionDropout {
 
 /// A band of visible keys around each query's diagonal (local, or sliding-window, attention):
 /// query `i` sees key `j` when `diag - left <= j <= diag + right`, with
-/// `diag = i + seq_k - seq_q` (bottom-right aligned, as the causal mask). A side that is `None`
-/// is unbounded. With causal masking the right side is 0 whatever it says here.
+/// `diag = i + seq_k - seq_q` (bottom-right aligned, as the causal mask; with
+/// [`CausalAlignment::TopLeft`] the options put it at `diag = i`, see
+/// [`FlashAttentionOptions::sees`]). A side that is `None` is unbounded. With causal masking
+/// the right side is 0 whatever it says here.
 ///
 /// Mistral's sliding window of `w` tokens (each token sees itself and the `w - 1` before it) is
 /// `FlashAttentionOptions::causal().with_sliding_window(w - 1)`.
@@ -250,6 +262,24 @@ impl FlashAttentionOptions {
     /// ```
     pub fn with_causal(mut self, causal: bool) -> Self {
         self.causal = causal;
+        self
+    }
+
+    /// These options with the diagonal aligned as `alignment` says (see the type's
+    /// documentation).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn_flash::{CausalAlignment, FlashAttentionOptions};
+    ///
+    /// // PyTorch's `is_causal`: query i sees keys 0..=i, whatever the key count.
+    /// let options = FlashAttentionOptions::causal().with_causal_alignment(CausalAlignment::TopLeft);
+    /// assert!(options.sees(0, 0, 2, 5) && !options.sees(0, 1, 2, 5));
+    /// assert!(FlashAttentionOptions::causal().sees(0, 3, 2, 5)); // bottom-right: 3 = 0 + 5 - 2
+    /// ```
+    pub fn with_causal_alignment(mut self, alignment: CausalAlignment) -> Self {
+        self.causal_alignment = alignment;
         self
     }
 
@@ -364,7 +394,7 @@ impl FlashAttentionOptions {
     }
 
     /// Whether query `query` of `seq_q` sees key `key` of `seq_k` under the causal mask and
-    /// the window.
+    /// the window, with the diagonal where `causal_alignment` puts it.
     ///
     /// # Example
     ///
@@ -376,6 +406,12 @@ impl FlashAttentionOptions {
     /// assert_eq!(seen, [3, 4, 5]);
     /// ```
     pub fn sees(&self, query: usize, key: usize, seq_q: usize, seq_k: usize) -> bool {
+        // The alignment as a key count: `sees` of the window and the causal test below put the
+        // diagonal at `query + seq_k - seq_q`; top-left moves it to `query`.
+        let seq_k = match self.causal_alignment {
+            CausalAlignment::BottomRight => seq_k,
+            CausalAlignment::TopLeft => seq_q,
+        };
         let causal = !self.causal || key + seq_q <= query + seq_k;
         causal && self.window.is_none_or(|w| w.sees(query, key, seq_q, seq_k))
     }
@@ -427,7 +463,7 @@ pub fn alibi_slopes(heads: usize) -> Vec<f64> {
 }
 
 impl From<FlashAttentionOptions> for burn::tensor::ops::AttentionModuleOptions {
-    /// The options of Burn's own attention that it shares: scale, causal (aligned bottom-right),
+    /// The options of Burn's own attention that it shares: scale, causal and its alignment,
     /// softcap. Burn has no window, ALiBi or dropout option: a window becomes a mask (see
     /// [`FlashAttentionOptions::sees`]), ALiBi a bias ([`alibi_slopes`]).
     ///
@@ -445,7 +481,7 @@ impl From<FlashAttentionOptions> for burn::tensor::ops::AttentionModuleOptions {
             scale: options.scale,
             softcap: options.softcap,
             is_causal: options.causal,
-            ..Self::default()
+            causal_alignment: options.causal_alignment,
         }
     }
 }

@@ -107,15 +107,16 @@ pub fn visible_keys(i: usize, seq_q: usize, seq_k: usize, causal: bool) -> usize
 
 /// What an attention call does to its scores besides the scale, written from the definitions
 /// (independently of the library's options): the causal mask and a band `[diag - left,
-/// diag + right]` around the diagonal `diag = i + seq_k - seq_q` (bottom-right aligned), and the
-/// softcap `cap · tanh(s / cap)` of the scaled scores. `false`/`true` convert to plain or causal
-/// attention.
+/// diag + right]` around the diagonal `diag = i + seq_k - seq_q` (bottom-right aligned) or, with
+/// `top_left`, `diag = i`, and the softcap `cap · tanh(s / cap)` of the scaled scores.
+/// `false`/`true` convert to plain or causal attention.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Spec {
     pub causal: bool,
     pub left: Option<usize>,
     pub right: Option<usize>,
     pub softcap: Option<f64>,
+    pub top_left: bool,
 }
 
 impl From<bool> for Spec {
@@ -130,7 +131,7 @@ impl From<bool> for Spec {
 impl Spec {
     /// Whether query `i` sees key `j`.
     pub fn sees(&self, i: usize, j: usize, seq_q: usize, seq_k: usize) -> bool {
-        let diag = i as i64 + seq_k as i64 - seq_q as i64;
+        let diag = diagonal(i, seq_q, seq_k, self.top_left);
         let j = j as i64;
         (!self.causal || j <= diag)
             && self.left.is_none_or(|left| j >= diag - left as i64)
@@ -167,7 +168,27 @@ impl Spec {
         if let Some(scale) = scale {
             options = options.with_scale(scale);
         }
+        if self.top_left {
+            options = options.with_causal_alignment(burn_flash::CausalAlignment::TopLeft);
+        }
         options
+    }
+
+    /// This spec with the diagonal aligned top-left.
+    pub fn top_left(self) -> Self {
+        Self {
+            top_left: true,
+            ..self
+        }
+    }
+}
+
+/// The key on query `i`'s diagonal: `i + seq_k - seq_q` (bottom-right) or `i` (top-left).
+pub fn diagonal(i: usize, seq_q: usize, seq_k: usize, top_left: bool) -> i64 {
+    if top_left {
+        i as i64
+    } else {
+        i as i64 + seq_k as i64 - seq_q as i64
     }
 }
 
@@ -179,6 +200,9 @@ impl core::fmt::Display for Spec {
         }
         if let Some(cap) = self.softcap {
             write!(f, " softcap {cap}")?;
+        }
+        if self.top_left {
+            write!(f, " top-left")?;
         }
         Ok(())
     }
@@ -220,14 +244,14 @@ pub fn paper_alibi_slopes(n: usize) -> Vec<f64> {
 }
 
 /// ALiBi's bias over the full scores `[batch, heads, seq_q, seq_k]`: `−slope_h · |j − diag(i)|`,
-/// `diag(i) = i + seq_k − seq_q`.
-pub fn alibi_scores(p: &Problem) -> Vec<f64> {
+/// `diag(i) = i + seq_k − seq_q`, or `i` with `top_left`.
+pub fn alibi_scores(p: &Problem, top_left: bool) -> Vec<f64> {
     let slopes = paper_alibi_slopes(p.heads);
     let (sq, sk) = (p.seq_q, p.seq_k);
     (0..p.batch * p.heads * sq * sk)
         .map(|at| {
             let (h, i, j) = (at / (sq * sk) % p.heads, at / sk % sq, at % sk);
-            let diag = i as f64 + sk as f64 - sq as f64;
+            let diag = diagonal(i, sq, sk, top_left) as f64;
             -slopes[h] * (j as f64 - diag).abs()
         })
         .collect()
@@ -330,13 +354,15 @@ pub fn head_dim_problems() -> Vec<Problem> {
 /// The feature cases the CUDA suites run at tensor-core head dims (the lavapipe suite,
 /// `features_wgpu`, covers the same features on smaller sizes): grouped-query and multi-query
 /// attention, causal and two-sided sliding windows across several KV blocks (also with fewer
-/// keys than queries, so that rows see nothing), the softcap, and all of them together.
+/// keys than queries, so that rows see nothing), the softcap, all of them together, and the
+/// top-left causal alignment.
 pub fn feature_cases() -> Vec<(Problem, Spec)> {
     let band = |causal, left, right| Spec {
         causal,
         left,
         right,
         softcap: None,
+        top_left: false,
     };
     let capped = Spec {
         softcap: Some(2.0),
@@ -347,6 +373,7 @@ pub fn feature_cases() -> Vec<(Problem, Spec)> {
         left: Some(70),
         right: None,
         softcap: Some(5.0),
+        top_left: false,
     };
     vec![
         (
@@ -373,6 +400,16 @@ pub fn feature_cases() -> Vec<(Problem, Spec)> {
         ),
         (Problem::square(1, 2, 150, 64), capped),
         (Problem::cross(1, 4, 177, 293, 128).grouped(2), everything),
+        // Top-left alignment: fewer queries than keys (the keys past the last diagonal get no
+        // gradient), and more, with a window.
+        (
+            Problem::cross(1, 2, 90, 200, 64),
+            Spec::from(true).top_left(),
+        ),
+        (
+            Problem::cross(1, 2, 210, 100, 128),
+            band(true, Some(30), None).top_left(),
+        ),
     ]
 }
 

@@ -1,9 +1,10 @@
-//! The band of visible keys: masks are aligned bottom-right, as Burn's fallback: the diagonal of
-//! query `i` is key `i + seq_k - seq_q`. The causal mask hides keys right of the diagonal by
-//! more than `right` (0 when only causal), a sliding window hides keys left of it by more than
-//! `left`. Which bounds exist is comptime ([`MaskConfig`]); their offsets are runtime
-//! ([`Band`]). All comparisons add to both sides instead of subtracting, so unsigned indices
-//! never wrap.
+//! The band of visible keys around each query's diagonal: key `i + seq_k - seq_q` for query `i`
+//! when aligned bottom-right (Burn's default), key `i` when aligned top-left
+//! ([`MaskConfig::top_left`]); [`diagonal`] gives the pair of terms that place it. The causal
+//! mask hides keys right of the diagonal by more than `right` (0 when only causal), a sliding
+//! window hides keys left of it by more than `left`. Which bounds exist is comptime
+//! ([`MaskConfig`]); their offsets are runtime ([`Band`]). All comparisons add to both sides
+//! instead of subtracting, so unsigned indices never wrap.
 
 use cubecl::prelude::*;
 
@@ -34,15 +35,29 @@ impl Band {
     }
 }
 
+/// The diagonal of query `i` is key `i + diag_k - diag_q`: `(seq_q, seq_k)` bottom-right,
+/// `(0, 0)` top-left. Compared by adding `diag_q` to the key's side and `diag_k` to the query's.
+/// Bottom-right hands back the band's own lengths, no new variable: its kernels stay as they
+/// were before the alignment existed.
+#[cube]
+pub fn diagonal(band: Band, #[comptime] mask: MaskConfig) -> (usize, usize) {
+    if comptime!(mask.top_left) {
+        (usize::new(0), usize::new(0))
+    } else {
+        (band.seq_q, band.seq_k)
+    }
+}
+
 /// Whether query `query` sees key `key` (absolute rows); out-of-range rows see nothing.
 #[cube]
 pub fn key_visible(band: Band, query: usize, key: usize, #[comptime] mask: MaskConfig) -> bool {
+    let (diag_q, diag_k) = diagonal(band, mask);
     let mut visible = query < band.seq_q && key < band.seq_k;
     if comptime!(mask.right) {
-        visible = visible && key + band.seq_q <= query + band.seq_k + band.right;
+        visible = visible && key + diag_q <= query + diag_k + band.right;
     }
     if comptime!(mask.left) {
-        visible = visible && key + band.seq_q + band.left >= query + band.seq_k;
+        visible = visible && key + diag_q + band.left >= query + diag_k;
     }
     visible
 }
@@ -55,17 +70,18 @@ pub fn key_range(
     q_end: usize,
     #[comptime] mask: MaskConfig,
 ) -> (usize, usize) {
+    let (diag_q, diag_k) = diagonal(band, mask);
     let mut start = 0usize;
     let mut end = band.seq_k;
     if comptime!(mask.right) {
-        // The last query sees keys j < q_end + seq_k + right - seq_q.
-        let reach = q_end + band.seq_k + band.right;
-        end = min(select(reach > band.seq_q, reach - band.seq_q, 0usize), end);
+        // The last query sees keys j < q_end + diag_k + right - diag_q.
+        let reach = q_end + diag_k + band.right;
+        end = min(select(reach > diag_q, reach - diag_q, 0usize), end);
     }
     if comptime!(mask.left) {
-        // The first query sees keys j >= q_start + seq_k - seq_q - left.
-        let reach = q_start + band.seq_k;
-        let floor = band.seq_q + band.left;
+        // The first query sees keys j >= q_start + diag_k - diag_q - left.
+        let reach = q_start + diag_k;
+        let floor = diag_q + band.left;
         start = min(select(reach > floor, reach - floor, 0usize), end);
     }
     (start, end)
@@ -79,17 +95,18 @@ pub fn query_range(
     k_end: usize,
     #[comptime] mask: MaskConfig,
 ) -> (usize, usize) {
+    let (diag_q, diag_k) = diagonal(band, mask);
     let mut start = 0usize;
     let mut end = band.seq_q;
     if comptime!(mask.left) {
-        // Key j is seen by queries i <= j + seq_q - seq_k + left.
-        let reach = k_end + band.seq_q + band.left;
-        end = min(select(reach > band.seq_k, reach - band.seq_k, 0usize), end);
+        // Key j is seen by queries i <= j + diag_q - diag_k + left.
+        let reach = k_end + diag_q + band.left;
+        end = min(select(reach > diag_k, reach - diag_k, 0usize), end);
     }
     if comptime!(mask.right) {
-        // Key j is seen by queries i >= j + seq_q - seq_k - right.
-        let reach = k_start + band.seq_q;
-        let floor = band.seq_k + band.right;
+        // Key j is seen by queries i >= j + diag_q - diag_k - right.
+        let reach = k_start + diag_q;
+        let floor = diag_k + band.right;
         start = min(select(reach > floor, reach - floor, 0usize), end);
     }
     (start, end)
@@ -115,16 +132,17 @@ pub fn block_needs_mask(
     #[comptime] kv_rows: usize,
     #[comptime] mask: MaskConfig,
 ) -> bool {
+    let (diag_q, diag_k) = diagonal(band, mask);
     let kv_end = kv_start + kv_rows;
     let q_end = q_start + q_rows;
     let mut needs = kv_end > band.seq_k || q_end > band.seq_q;
     if comptime!(mask.right) {
-        // The first query hides keys j >= q_start + 1 + seq_k + right - seq_q.
-        needs = needs || kv_end + band.seq_q > q_start + 1 + band.seq_k + band.right;
+        // The first query hides keys j >= q_start + 1 + diag_k + right - diag_q.
+        needs = needs || kv_end + diag_q > q_start + 1 + diag_k + band.right;
     }
     if comptime!(mask.left) {
-        // The last query hides keys j < q_end - 1 + seq_k - seq_q - left.
-        needs = needs || kv_start + band.seq_q + band.left + 1 < q_end + band.seq_k;
+        // The last query hides keys j < q_end - 1 + diag_k - diag_q - left.
+        needs = needs || kv_start + diag_q + band.left + 1 < q_end + diag_k;
     }
     needs
 }

@@ -7,6 +7,8 @@
 //! the dQ launch the owned rows are queries and the staged ones keys/values; the dK/dV launch owns
 //! keys and stages queries.
 
+use std::hash::{Hash, Hasher};
+
 /// Rows of one MMA tile (m16n8k16).
 pub const MMA_M: usize = 16;
 /// Columns of one MMA accumulator tile (m16n8k16).
@@ -201,7 +203,7 @@ impl Staged {
 
 /// Which bounds hide keys around the diagonal (see [`mask`](super::mask)), and whether a boolean
 /// mask input hides some more; the offsets and the mask are runtime values.
-#[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MaskConfig {
     /// Keys right of the diagonal by more than an offset are hidden (causal: offset 0).
     pub right: bool,
@@ -215,6 +217,30 @@ pub struct MaskConfig {
     /// The mask input reaches the tensor-core forward packed, a bit per pair
     /// ([`pack`](super::pack)), and is staged as words.
     pub packed: bool,
+    /// The diagonal of query `i` is key `i` (top-left alignment) rather than
+    /// `i + seq_k - seq_q` (bottom-right, Burn's default); it places the band and ALiBi. Set
+    /// only where the two differ (`seq_q != seq_k`) and something reads the diagonal.
+    pub top_left: bool,
+}
+
+/// As derived, except that `top_left` joins the hash only when set: a kernel aligned bottom-right
+/// keeps the entry point name CubeCL derives from the hash, and with it the compiled shaders
+/// cached under that name (as CubeCL leaves debug info out of a kernel's hash when off).
+impl Hash for MaskConfig {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        let Self {
+            right,
+            left,
+            tensor,
+            per_key,
+            packed,
+            top_left,
+        } = self;
+        (right, left, tensor, per_key, packed).hash(state);
+        if *top_left {
+            top_left.hash(state);
+        }
+    }
 }
 
 impl TileConfig {
@@ -813,12 +839,19 @@ impl ScoreParams {
         seq_k: usize,
     ) -> Self {
         let window = options.window.unwrap_or_default();
-        // Query i sees keys from i + seq_k - seq_q - left: every key once left >= seq_k.
-        let left = window.left.filter(|&left| left < seq_k);
-        // ... up to i + seq_k - seq_q + right: every key once right >= seq_q.
+        // The diagonal of query i is key i + shift, shift = seq_k - seq_q (bottom-right) or 0
+        // (top-left).
+        let top_left = options.causal_alignment == burn::tensor::ops::CausalAlignment::TopLeft
+            && seq_q != seq_k;
+        let (diag_q, diag_k) = if top_left { (0, 0) } else { (seq_q, seq_k) };
+        // Query i sees keys from i + shift - left: every key once left >= seq_q + shift (the
+        // last query's bound is then below 0; bottom-right: left >= seq_k) ...
+        let left = window.left.filter(|&left| left + diag_q < seq_q + diag_k);
+        // ... up to i + shift + right: every key once right >= seq_k - shift (bottom-right:
+        // right >= seq_q).
         let right = match (options.causal, window.right) {
             (true, _) => Some(0),
-            (false, right) => right.filter(|&right| right < seq_q),
+            (false, right) => right.filter(|&right| right + diag_k < seq_k + diag_q),
         };
         let offset = |value: Option<usize>| {
             u32::try_from(value.unwrap_or(0)).expect("a window side shorter than the sequence")
@@ -831,6 +864,7 @@ impl ScoreParams {
                 tensor: false,
                 per_key: false,
                 packed: false,
+                top_left: top_left && (left.is_some() || right.is_some() || options.alibi),
             },
             bias: false,
             left: offset(left),

@@ -13,7 +13,7 @@
 use cubecl::prelude::barrier::copy_async_checked;
 use cubecl::prelude::*;
 
-use super::band::Band;
+use super::band::{Band, diagonal};
 use super::config::{SMEM_ALIGN, TileConfig};
 use super::stage::{copy_or_zero_fill, input_offset, input_swizzle, smem_anchor};
 use super::tile::AttentionTile;
@@ -317,9 +317,10 @@ pub fn add_bias<E: Float, T: AttentionTile<E>>(
         // The signed distance `key − diagonal` is affine in the register's row and column: one
         // product per block at register 0, then per register a constant step (its offset from
         // register 0, which the compiler folds) in one multiply-add and a subtraction of the
-        // absolute value. Signed i32 keeps `key + seq_q − query − seq_k` exact.
+        // absolute value. Signed i32 keeps `key + diag_q − query − diag_k` exact.
         let (query0, key0) = pair_of::<E, T>(q_start, kv_start, 0usize, transposed, cfg);
-        let distance0 = i32::cast_from(key0 + band.seq_q) - i32::cast_from(query0 + band.seq_k);
+        let (diag_q, diag_k) = diagonal(band, cfg.mask);
+        let distance0 = i32::cast_from(key0 + diag_q) - i32::cast_from(query0 + diag_k);
         let base = alibi * f32::cast_from(distance0);
         #[unroll]
         for reg in 0..cfg.score_regs() {
