@@ -259,9 +259,10 @@ fn strided_inputs_and_upstream_gradient() {
     ] {
         let got = to_host(leaf.grad(&grads).expect("a gradient").swap_dims(1, 2));
         let err = error(&got, &reference, row);
-        assert!(
-            err.finite() && err.relative <= TOLERANCE && err.row_relative <= TOLERANCE,
-            "{name}: {err:?}"
-        );
+        // The whole tensor's error only: a stride misread corrupts whole rows, far above the
+        // tolerance. The worst row's error is ill-conditioned on fresh inputs: a key the causal
+        // band shows to one query gets one term `P (dP - D) q`, whose difference can cancel to
+        // near 0 while its terms are O(1) (1 run in ~80 exceeded 1e-4 at 3e-7 overall).
+        assert!(err.finite() && err.relative <= TOLERANCE, "{name}: {err:?}");
     }
 }
