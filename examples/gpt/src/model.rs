@@ -102,7 +102,8 @@ impl GptConfig {
 }
 
 impl Gpt {
-    /// Next-token logits `[batch, seq, vocab]` of tokens `[batch, seq]`, `seq <= context`.
+    /// Next-token logits `[batch, seq, vocab]`, in f32, of tokens `[batch, seq]`,
+    /// `seq <= context`.
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         let [_, seq] = tokens.dims();
         let device = tokens.device();
@@ -114,16 +115,26 @@ impl Gpt {
             x = block.forward(x);
         }
         let x = self.norm.forward(x);
-        // The head is the token embedding, transposed.
-        let head = self.tokens.weight.val().transpose().unsqueeze::<3>();
-        x.matmul(head)
+        // The head is the token embedding, transposed, and computes in f32: the logits feed an
+        // f32 softmax, and in bf16 or f16 on Hopper Burn 0.23.0-pre.1 fails a product with at
+        // least 4× more rows than columns (context >= 4 × vocab): its matmul autotune tries a
+        // TMA kernel whose 512-row box CUDA refuses, and the refused launch poisons the
+        // product's inputs (docs/gpt.md). f32 products take 16-row tiles.
+        let head = self
+            .tokens
+            .weight
+            .val()
+            .cast(DType::F32)
+            .transpose()
+            .unsqueeze::<3>();
+        x.cast(DType::F32).matmul(head)
     }
 
     /// Mean cross-entropy of predicting `targets` (`[batch, seq]`) from `inputs`.
     pub fn loss(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
         let [batch, seq] = inputs.dims();
-        // The softmax and the loss in f32 whatever the compute dtype.
-        let logits = self.forward(inputs).cast(DType::F32);
+        // The logits, the softmax and the loss in f32 whatever the compute dtype.
+        let logits = self.forward(inputs);
         let vocab = logits.dims()[2];
         CrossEntropyLossConfig::new()
             .init(&logits.device())
