@@ -78,12 +78,14 @@
 //! `Device`, whose CUDA device has the fusion stream whenever Burn's `fusion` feature is on, as
 //! it is in this workspace; there is no bare backend to pick at run time.
 
+mod common;
+
 use std::collections::HashMap;
 use std::fmt::Display;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::ops::AttentionModuleOptions;
@@ -94,6 +96,8 @@ use burn_flash::{
 use clap::builder::RangedU64ValueParser;
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, ValueEnum};
+
+use common::{Backend, Clear, Impl, name, select_device, timed};
 
 /// Attention timings of burn-flash against Burn's attention, as CSV (see the header of
 /// `benches/attention.rs`).
@@ -227,17 +231,6 @@ enum Bias {
     Heads,
 }
 
-/// An implementation of attention, named in the CSV as on the command line.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum)]
-enum Impl {
-    #[value(name = "burn-flash")]
-    Flash,
-    #[value(name = "burn-unfused")]
-    Unfused,
-    #[value(name = "burn-builtin")]
-    Builtin,
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Precision {
     Bf16,
@@ -253,13 +246,6 @@ impl Precision {
             Self::F32 => DType::F32,
         }
     }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Backend {
-    Auto,
-    Cuda,
-    Wgpu,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -279,14 +265,6 @@ enum Timing {
 }
 
 /// A flag value's name on the command line, which is also its name in the CSV.
-fn name(value: impl ValueEnum) -> String {
-    value
-        .to_possible_value()
-        .expect("no value is skipped")
-        .get_name()
-        .to_owned()
-}
-
 fn fail(message: impl Display) -> ! {
     Args::command()
         .error(ErrorKind::InvalidValue, message)
@@ -442,35 +420,6 @@ fn forward_backward(name: Impl, set: Set, options: FlashAttentionOptions) {
 
 /// What one timed call runs: [`forward`] or [`forward_backward`].
 type Call = fn(Impl, Set, FlashAttentionOptions);
-
-/// The buffer `--timing clear` passes over before each call: 128 MiB of `i32`, reversed (read
-/// and written: 256 MiB moved, more than the 50 MB L2 cache of an H100 holds). A reversal is a
-/// gather, which Burn's fusion does not merge into the next reversal, so each clear runs as a
-/// kernel of its own.
-struct Clear(Tensor<1, Int>);
-
-impl Clear {
-    fn new(device: &Device) -> Self {
-        Self(Tensor::zeros([32 << 20], device))
-    }
-
-    fn run(&mut self) {
-        self.0 = self.0.clone().flip([0]);
-    }
-}
-
-/// `batch` steps issued back to back, synchronised once at the end: the wall time per step,
-/// and the host's time per step to issue them (the device is starved when the two are close).
-fn timed(device: &Device, batch: usize, mut step: impl FnMut(usize)) -> (Duration, Duration) {
-    device.sync().expect("device sync");
-    let start = Instant::now();
-    for i in 0..batch {
-        step(i);
-    }
-    let issued = start.elapsed();
-    device.sync().expect("device sync");
-    (start.elapsed() / batch as u32, issued / batch as u32)
-}
 
 /// One row's calls: which implementation, how, on which inputs, with which options.
 struct Row<'a> {
@@ -948,32 +897,11 @@ fn memory(device: &Device, args: &Args, s: &Settings) {
 }
 
 /// The device `--backend` asks for, and whether it is a CUDA device.
-fn select_device(backend: Backend) -> (Device, bool) {
-    #[cfg(feature = "cuda")]
-    if backend != Backend::Wgpu {
-        match Device::enumerate(burn::tensor::DeviceType::Cuda).first() {
-            Some(device) => {
-                eprintln!("backend: CUDA ({device:?})");
-                return (device.clone(), true);
-            }
-            None if backend == Backend::Cuda => fail("no CUDA device (no driver, or no GPU)"),
-            None => eprintln!("no CUDA device; using wgpu"),
-        }
-    }
-    #[cfg(not(feature = "cuda"))]
-    if backend == Backend::Cuda {
-        fail("built without the `cuda` feature: cargo bench --features cuda");
-    }
-    let device = Device::wgpu(Default::default());
-    eprintln!("backend: wgpu ({device:?}); small shapes by default");
-    (device, false)
-}
-
 fn main() {
     // `cargo bench` passes `--bench` to every benchmark program.
     let args = Args::parse_from(std::env::args().filter(|arg| arg != "--bench"));
     watch_panics();
-    let (device, cuda) = select_device(args.backend);
+    let (device, cuda) = select_device(args.backend).unwrap_or_else(|reason| fail(reason));
     let s = settings(&args, cuda);
     if args.memory {
         memory(&device, &args, &s);

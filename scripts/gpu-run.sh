@@ -9,6 +9,7 @@
 #   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV (TIMING)
 #   scripts/gpu-run.sh table   # docs/performance.md's table: forward and training step (both dQ) beside the torch script
 #   scripts/gpu-run.sh timing  # our forward timed b2b and clear (as do_bench), beside the torch script
+#   scripts/gpu-run.sh decode  # KV-cache decoding (bench-decode) beside the torch decode script (DECODE_ARGS)
 #   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
 #   scripts/gpu-run.sh features # issue 6's feature table (FEATURE_MODES, default fwd; BENCH_ARGS)
 #   scripts/gpu-run.sh memory  # one training step per impl and length (b1 h16 d128), one process each
@@ -201,6 +202,13 @@ EOF
       } 2>"$OUT/$tag.err" | grep -v '^#' | awk '/^impl,/ { if (seen++) next } { print }' \
         | tee "$OUT/$tag.csv"
     done
+    ;;
+  decode)
+    # Decoding against a KV cache: PyTorch's backends and ours on the same shapes, same call
+    # (DECODE_ARGS: the flags both programs take, --b --sk --hkv --hq --sq --d --max-cache-gib).
+    python3 scripts/torch_decode_bench.py ${DECODE_ARGS:-} 2>"$OUT/torch-decode.err" \
+      | tee "$OUT/torch-decode.csv"
+    $BIN/bench-decode ${DECODE_ARGS:-} 2>"$OUT/decode.err" | tee "$OUT/decode.csv"
     ;;
   timing)
     # The bench's two timing methods against each other (docs/performance.md, "Timing method

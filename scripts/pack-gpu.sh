@@ -3,7 +3,8 @@
 # Rust), strip and compress them into .gpu/ (git-ignored), ready to be carried to the GPU
 # machine, where scripts/gpu-run.sh runs them.
 #
-#   scripts/pack-gpu.sh       # .gpu/test-suite.xz, .gpu/bench-attention.xz, .gpu/gpt.xz
+#   scripts/pack-gpu.sh       # .gpu/test-suite.xz, .gpu/bench-attention.xz, .gpu/bench-decode.xz,
+#                             # .gpu/gpt.xz
 #   scripts/pack-gpu.sh gpt   # only the GPT example, beside what .gpu/ holds
 #
 # Each binary is ~33 MB compressed: carry them one or two per GPU call (64 MiB in all).
@@ -43,7 +44,7 @@ cargo test --release --features cuda --test suite --no-run --message-format json
   | executables test | while read -r name exe; do cp "$exe" ".gpu/test-$name"; done
 # `cargo build --release` rather than `cargo bench`: the bench profile would build every
 # dependency a second time.
-cargo build --release --features cuda --bench attention --message-format json \
+cargo build --release --features cuda --bench attention --bench decode --message-format json \
   | executables bench | while read -r name exe; do cp "$exe" ".gpu/bench-$name"; done
 cp ../shared/tools/torch_sdpa_bench.py .gpu/
 strip .gpu/test-* .gpu/bench-*

@@ -1,0 +1,89 @@
+//! What the benchmarks share: the implementations they time, the device they run on, and the
+//! timing of a batch of calls with or without an L2-clearing pass before each.
+
+use std::time::{Duration, Instant};
+
+use burn::tensor::{Device, Int, Tensor};
+use clap::ValueEnum;
+
+/// An implementation of attention, named in the CSV as on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum)]
+pub enum Impl {
+    #[value(name = "burn-flash")]
+    Flash,
+    #[value(name = "burn-unfused")]
+    Unfused,
+    #[value(name = "burn-builtin")]
+    Builtin,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    Auto,
+    Cuda,
+    Wgpu,
+}
+
+/// A command-line value's name, as `--help` lists it.
+pub fn name(value: impl ValueEnum) -> String {
+    value
+        .to_possible_value()
+        .expect("no value is skipped")
+        .get_name()
+        .to_owned()
+}
+
+/// The device `backend` asks for, and whether it is CUDA: `Auto` takes the first CUDA device
+/// where the build has CUDA and the machine a device, else wgpu. `Err` says why `Cuda` cannot
+/// be had.
+pub fn select_device(backend: Backend) -> Result<(Device, bool), &'static str> {
+    #[cfg(feature = "cuda")]
+    if backend != Backend::Wgpu {
+        match Device::enumerate(burn::tensor::DeviceType::Cuda).first() {
+            Some(device) => {
+                eprintln!("backend: CUDA ({device:?})");
+                return Ok((device.clone(), true));
+            }
+            None if backend == Backend::Cuda => {
+                return Err("no CUDA device (no driver, or no GPU)");
+            }
+            None => eprintln!("no CUDA device; using wgpu"),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    if backend == Backend::Cuda {
+        return Err("built without the `cuda` feature: cargo bench --features cuda");
+    }
+    let device = Device::wgpu(Default::default());
+    eprintln!("backend: wgpu ({device:?}); small shapes by default");
+    Ok((device, false))
+}
+
+/// The buffer a clearing pass goes over before each call: 128 MiB of `i32`, reversed (read and
+/// written: 256 MiB moved, more than the L2 cache of any card holds; PyTorch's `do_bench` zeroes
+/// 256 MB). A reversal is a gather, which Burn's fusion does not merge into the next reversal,
+/// so each clear runs as a kernel of its own.
+pub struct Clear(Tensor<1, Int>);
+
+impl Clear {
+    pub fn new(device: &Device) -> Self {
+        Self(Tensor::zeros([32 << 20], device))
+    }
+
+    pub fn run(&mut self) {
+        self.0 = self.0.clone().flip([0]);
+    }
+}
+
+/// `batch` steps issued back to back, synchronised once at the end: the wall time per step,
+/// and the host's time per step to issue them (the device is starved when the two are close).
+pub fn timed(device: &Device, batch: usize, mut step: impl FnMut(usize)) -> (Duration, Duration) {
+    device.sync().expect("device sync");
+    let start = Instant::now();
+    for i in 0..batch {
+        step(i);
+    }
+    let issued = start.elapsed();
+    device.sync().expect("device sync");
+    (start.elapsed() / batch as u32, issued / batch as u32)
+}

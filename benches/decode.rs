@@ -1,0 +1,238 @@
+//! Decoding against a KV cache: `--sq` new queries (1 by default) of `--hq` heads attend to `sk`
+//! cached keys of `hkv` heads (grouped-query attention when `hkv < hq`), causal aligned
+//! bottom-right (the KV-cache convention: the new queries are the cache's last positions). CSV
+//! on stdout with the columns of `scripts/torch_decode_bench.py`, so both tables can be joined:
+//!
+//! ```text
+//! impl,dtype,b,hq,hkv,sq,sk,d,ms,gbps
+//! ```
+//!
+//! ```text
+//! cargo bench --features cuda --bench decode -- --b 1,8,64 --sk 4096,16384,131072 --hkv 32,8,4
+//! cargo bench --bench decode -- --help
+//! ```
+//!
+//! Decoding is bound by memory: GB/s counts the bytes a call cannot avoid moving, the cache's
+//! keys and values once per key/value head plus the queries and the output, over the call's
+//! time; compare it with the card's bandwidth (4.8 TB/s on an H200, 3.35 on an H100 SXM).
+//! On CUDA the inputs are bf16 with head dim 128; elsewhere f32 on `Device::wgpu` with small
+//! caches. Shapes whose cache would exceed `--max-cache-gib` are skipped.
+//!
+//! Method on CUDA, as `benches/attention.rs --timing clear` and PyTorch's `do_bench`: before
+//! every call a pass over a 256 MiB buffer evicts the L2 cache (a small KV cache would otherwise
+//! be read from it), and the calls are timed by difference: each sample times a batch of clears
+//! alone, then a batch of clears each followed by a call; the median of the samples' per-call
+//! differences is reported (`nan` where it is not positive). On wgpu the calls run back to back
+//! without clears (lavapipe is a CPU: its rows are a smoke test). The first call (compilation,
+//! autotune) and `--warmup` more are not timed. `burn-builtin` is not a default: Burn 0.23's `attention` autotunes for minutes per new
+//! shape on CUDA.
+
+mod common;
+
+use burn::tensor::module::{attention, attention_fallback};
+use burn::tensor::{DType, Device, Distribution, Tensor};
+use burn_flash::{FlashAttentionOptions, flash_attention, flash_attention_plan};
+use clap::Parser;
+use clap::builder::RangedU64ValueParser;
+
+use common::{Backend, Clear, Impl, name, select_device, timed};
+
+/// Decode timings of burn-flash against Burn's attention, as CSV (see the header of
+/// `benches/decode.rs`).
+#[derive(Parser, Debug)]
+#[command(name = "decode", bin_name = "decode")]
+struct Args {
+    /// Batch sizes [default: 1,8,64 on CUDA, 1,4 on wgpu].
+    #[arg(long, value_delimiter = ',')]
+    b: Vec<usize>,
+    /// Cached keys per sequence [default: 4096,16384,131072 on CUDA, 256,1024 on wgpu].
+    #[arg(long, value_delimiter = ',')]
+    sk: Vec<usize>,
+    /// Key/value heads, each a divisor of --hq [default: 32,8,4 on CUDA (GQA
+    /// ratios 1, 4, 8), 8,2 on wgpu].
+    #[arg(long, value_delimiter = ',')]
+    hkv: Vec<usize>,
+    /// Query heads [default: 32 on CUDA, 8 on wgpu].
+    #[arg(long)]
+    hq: Option<usize>,
+    /// New queries per sequence (1: one decoding step; more: a chunk, or speculative tokens to
+    /// verify), causal among themselves.
+    #[arg(long, default_value_t = 1, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    sq: usize,
+    /// Head dim of queries, keys and values [default: 128 on CUDA, 64 on wgpu].
+    #[arg(long)]
+    d: Option<usize>,
+    /// The implementations to time.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "burn-flash,burn-unfused"
+    )]
+    impls: Vec<Impl>,
+    /// The device: auto takes the first CUDA device where the build has CUDA and the machine a
+    /// device, else wgpu.
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    backend: Backend,
+    /// Timed samples per row.
+    #[arg(long, default_value_t = 20, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    iters: usize,
+    /// Untimed calls after the first.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Skip shapes whose keys and values take more than this.
+    #[arg(long, value_name = "GIB", default_value_t = 32.0)]
+    max_cache_gib: f64,
+}
+
+/// One call of `imp`, the causal mask aligned bottom-right.
+fn decode(imp: Impl, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+    let options = FlashAttentionOptions::causal();
+    match imp {
+        Impl::Flash => flash_attention(q, k, v, options),
+        Impl::Unfused => attention_fallback(q, k, v, None, None, options.into()),
+        Impl::Builtin => attention(q, k, v, None, None, options.into()),
+    }
+}
+
+/// One decode problem.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    sq: usize,
+    sk: usize,
+    d: usize,
+}
+
+impl Shape {
+    /// Bytes a call must move at `elem` bytes a value: keys and values once per key/value head,
+    /// queries read and the output written once.
+    fn bytes(&self, elem: usize) -> f64 {
+        let cache = 2 * self.b * self.hkv * self.sk * self.d;
+        let rows = 2 * self.b * self.hq * self.sq * self.d;
+        ((cache + rows) * elem) as f64
+    }
+}
+
+fn median_ms(mut samples: Vec<f64>) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    let mid = samples.len() / 2;
+    if samples.len() % 2 == 1 {
+        samples[mid]
+    } else {
+        (samples[mid - 1] + samples[mid]) / 2.0
+    }
+}
+
+/// The median time of one call of `imp`, in ms: by difference with the clears where there are
+/// some, else back to back. `NaN` where the difference is not positive.
+fn time_row(
+    device: &Device,
+    args: &Args,
+    imp: Impl,
+    inputs: &[Tensor<4>; 3],
+    mut clear: Option<&mut Clear>,
+) -> f64 {
+    let call = || {
+        let [q, k, v] = inputs.clone();
+        decode(imp, q, k, v)
+    };
+    for _ in 0..=args.warmup {
+        call();
+    }
+    let clearing = clear.is_some();
+    let mut step = |with_call: bool| {
+        if let Some(clear) = clear.as_deref_mut() {
+            clear.run();
+        }
+        if with_call {
+            call();
+        }
+    };
+    // As many calls as fill about 20 ms, at most 50.
+    let once = timed(device, 1, |_| step(true)).0;
+    let batch = ((0.02 / once.as_secs_f64().max(1e-6)) as usize).clamp(1, 50);
+    let samples = (0..args.iters)
+        .map(|_| {
+            let both = timed(device, batch, |_| step(true)).0.as_secs_f64();
+            let clears = if clearing {
+                timed(device, batch, |_| step(false)).0.as_secs_f64()
+            } else {
+                0.0
+            };
+            (both - clears) * 1e3
+        })
+        .collect();
+    let ms = median_ms(samples);
+    if ms > 0.0 { ms } else { f64::NAN }
+}
+
+fn main() {
+    // `cargo bench` passes `--bench` to every benchmark program.
+    let args = Args::parse_from(std::env::args().filter(|arg| arg != "--bench"));
+    let (device, cuda) = select_device(args.backend).unwrap_or_else(|reason| panic!("{reason}"));
+    let or = |list: &[usize], cuda_default: &[usize], wgpu_default: &[usize]| match list {
+        [] if cuda => cuda_default.to_vec(),
+        [] => wgpu_default.to_vec(),
+        list => list.to_vec(),
+    };
+    let batches = or(&args.b, &[1, 8, 64], &[1, 4]);
+    let lengths = or(&args.sk, &[4096, 16384, 131072], &[256, 1024]);
+    let kv_heads = or(&args.hkv, &[32, 8, 4], &[8, 2]);
+    let hq = args.hq.unwrap_or(if cuda { 32 } else { 8 });
+    let d = args.d.unwrap_or(if cuda { 128 } else { 64 });
+    let (dtype, elem, dtype_name) = if cuda {
+        (DType::BF16, 2, "bf16")
+    } else {
+        (DType::F32, 4, "f32")
+    };
+    let mut clear = cuda.then(|| Clear::new(&device));
+
+    println!("impl,dtype,b,hq,hkv,sq,sk,d,ms,gbps");
+    for &hkv in &kv_heads {
+        assert!(
+            hkv > 0 && hq % hkv == 0,
+            "--hkv {hkv} does not divide --hq {hq}"
+        );
+        for &b in &batches {
+            for &sk in &lengths {
+                let shape = Shape {
+                    b,
+                    hq,
+                    hkv,
+                    sq: args.sq,
+                    sk,
+                    d,
+                };
+                let cache_gib = (2 * b * hkv * sk * d * elem) as f64 / (1u64 << 30) as f64;
+                if cache_gib > args.max_cache_gib {
+                    println!("# {shape:?}: cache {cache_gib:.1} GiB over --max-cache-gib, skipped");
+                    continue;
+                }
+                let random = |heads, seq| {
+                    Tensor::<4>::random([b, heads, seq, d], Distribution::Normal(0.0, 1.0), &device)
+                        .cast(dtype)
+                };
+                let inputs = [random(hq, args.sq), random(hkv, sk), random(hkv, sk)];
+                let [q, k, v] = &inputs;
+                let plan = flash_attention_plan(q, k, v, FlashAttentionOptions::causal());
+                eprintln!(
+                    "{shape:?}: burn-flash runs {}",
+                    plan.map_or_else(|e| e.to_string(), |p| p.to_string())
+                );
+                for &imp in &args.impls {
+                    let ms = time_row(&device, &args, imp, &inputs, clear.as_mut());
+                    let gbps = shape.bytes(elem) / (ms * 1e-3) / 1e9;
+                    println!(
+                        "{},{dtype_name},{b},{hq},{hkv},{},{sk},{d},{ms:.4},{gbps:.1}",
+                        name(imp),
+                        args.sq
+                    );
+                }
+                device.memory_cleanup();
+            }
+        }
+    }
+}
