@@ -84,6 +84,25 @@ fn grouped_query_attention_matches_the_reference() {
     check(&Case::new(1, 6, 17, 29, 32).kv_heads(1).causal(), 201);
 }
 
+/// Decoding against a cache: one new query per sequence, or a chunk of three (causal
+/// bottom-right: the new queries are the cache's last positions), four or eight query heads to a
+/// key/value head, over caches from one key to more than a tile walks in one block.
+#[test]
+fn decoding_rows_match_the_reference() {
+    let cases = [
+        Case::new(2, 8, 1, 1, 64).kv_heads(2).causal(),
+        Case::new(2, 8, 1, 300, 64).kv_heads(2).causal(),
+        Case::new(1, 8, 3, 1000, 64)
+            .kv_heads(2)
+            .causal()
+            .value_dim(32),
+        Case::new(3, 8, 1, 77, 32).kv_heads(1).causal(),
+    ];
+    for (seed, case) in cases.iter().enumerate() {
+        check(case, 400 + seed as u64);
+    }
+}
+
 /// Boolean masks per pair and per key (broadcast over queries, heads or batches), and additive
 /// biases, alone and with the causal mask.
 #[test]
