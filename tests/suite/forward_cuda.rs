@@ -425,6 +425,30 @@ fn small_shapes_bf16() {
     check_all_small("small_shapes_bf16", DType::BF16, 1000, Route::Api);
 }
 
+/// Decoding against a cache in bf16 on the tensor-core tile: one new query per sequence or a
+/// chunk of four (causal bottom-right), 32 query heads over 8 or 4 key/value heads at head dim
+/// 128, caches of 1 to 4100 keys (ragged against the key blocks).
+#[test]
+fn decode_shapes_bf16() {
+    let problems = [
+        Problem::cross(2, 32, 1, 1, 128).grouped(8),
+        Problem::cross(2, 32, 1, 1000, 128).grouped(8),
+        Problem::cross(1, 32, 1, 4100, 128).grouped(4),
+        Problem::cross(3, 32, 4, 2049, 128).grouped(8),
+    ];
+    let cases: Vec<Case> = problems
+        .iter()
+        .enumerate()
+        .map(|(index, &problem)| Case {
+            problem,
+            spec: Spec::from(true),
+            scale: None,
+            seed: 4000 + index as u64,
+        })
+        .collect();
+    check_cases("decode_shapes_bf16", DType::BF16, &cases, Route::Api);
+}
+
 /// f16 tensors on `Device::cuda`; every tensor-core head dim (bf16 also covers the fallback of
 /// head dim 48).
 #[test]
