@@ -141,6 +141,25 @@ pub struct TileConfig {
     /// Which cubes of a dK/dV launch whose last wave is split walk what
     /// ([`tail`](super::backward::tail)).
     pub tail: TailPart,
+    /// The forward splits each row block's keys across cubes ([`KvSplit`]).
+    pub kv_split: KvSplit,
+}
+
+/// Whether the forward splits each row block's keys across cubes (split-KV, for short query
+/// blocks such as decoding's): the grid's x runs over (row block, split), and each cube writes
+/// the partial output and log-sum-exp of its share of the key blocks as head
+/// `split · heads + head` of its outputs, which [`combine`](super::forward::combine) merges.
+/// Hashed only when set, so that the kernels without it keep their names (as
+/// [`MaskConfig::top_left`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvSplit(pub bool);
+
+impl Hash for KvSplit {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        if self.0 {
+            self.0.hash(state);
+        }
+    }
 }
 
 /// The part a dK/dV launch takes of a grid whose last wave's cubes are split into pieces
@@ -275,6 +294,7 @@ impl TileConfig {
             staged: Staged::default(),
             batch_inner: false,
             tail: TailPart::All,
+            kv_split: KvSplit(false),
         }
     }
 
@@ -303,6 +323,7 @@ impl TileConfig {
             staged: Staged::default(),
             batch_inner: false,
             tail: TailPart::All,
+            kv_split: KvSplit(false),
         }
     }
 
@@ -351,6 +372,14 @@ impl TileConfig {
     /// own launch.
     pub fn with_atomic_dq(self, atomic_dq: bool) -> Self {
         Self { atomic_dq, ..self }
+    }
+
+    /// These blocks with the forward's keys split across cubes ([`KvSplit`]).
+    pub fn with_kv_split(self) -> Self {
+        Self {
+            kv_split: KvSplit(true),
+            ..self
+        }
     }
 
     /// These blocks with their staged blocks copied by tensor maps ([`tma`](Self::tma)).
@@ -807,6 +836,8 @@ pub struct ScoreParams {
     pub dropout: Option<DropoutParams>,
     /// With ALiBi, the largest power of two not above the query head count (its slopes' base).
     pub alibi_pow2: Option<u32>,
+    /// Cubes each row block's keys are split across in the forward (1: none; [`KvSplit`]).
+    pub kv_splits: usize,
 }
 
 /// How one score register draws dropout's bits ([`TileConfig::dropout_draw`]).
@@ -879,6 +910,16 @@ impl ScoreParams {
                     threshold: d.keep_threshold(),
                 }),
             alibi_pow2: (options.alibi && heads > 0).then(|| 1 << heads.ilog2()),
+            kv_splits: 1,
+        }
+    }
+
+    /// These parameters with the forward's keys split across `splits` cubes per row block.
+    pub fn with_kv_splits(self, splits: usize) -> Self {
+        assert!(splits > 0, "a key sequence splits into one part at least");
+        Self {
+            kv_splits: splits,
+            ..self
         }
     }
 

@@ -40,9 +40,33 @@ pub fn row_block(#[comptime] cfg: TileConfig) -> usize {
     }
 }
 
-/// The cubes of a launch over `rows` rows per (batch, head) in blocks of `cfg.block_q`.
-pub fn cube_count(cfg: &TileConfig, rows: usize, heads: usize, batch: usize) -> CubeCount {
-    let blocks = rows.div_ceil(cfg.block_q) as u32;
+/// This cube's row block and its split of the row block's keys, of `splits`, where the keys
+/// are split ([`KvSplit`](super::config::KvSplit)): the grid's x runs over (row block, split).
+#[cube]
+pub fn block_and_split(splits: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {
+    let x = row_block(cfg);
+    (x / splits, x % splits)
+}
+
+/// Split `split`'s share of the key blocks `[first, end)` of `splits`: consecutive runs of one
+/// length, the last ones shorter or empty.
+#[cube]
+pub fn split_blocks(first: usize, end: usize, split: usize, splits: usize) -> (usize, usize) {
+    let per = (end - first).div_ceil(splits);
+    let start = min(first + split * per, end);
+    (start, min(start + per, end))
+}
+
+/// The cubes of a launch over `rows` rows per (batch, head) in blocks of `cfg.block_q`, each
+/// block's keys split across `splits` cubes (1 without [`KvSplit`](super::config::KvSplit)).
+pub fn cube_count(
+    cfg: &TileConfig,
+    rows: usize,
+    heads: usize,
+    batch: usize,
+    splits: usize,
+) -> CubeCount {
+    let blocks = (rows.div_ceil(cfg.block_q) * splits) as u32;
     if cfg.batch_inner {
         CubeCount::Static(blocks, batch as u32, heads as u32)
     } else {

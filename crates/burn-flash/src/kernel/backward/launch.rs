@@ -68,7 +68,7 @@ pub(super) fn key_value_parts(
     kv_heads: usize,
     batch: usize,
 ) -> Vec<(CubeCount, TileConfig)> {
-    let grid = || cube_count(cfg, seq_k, kv_heads, batch);
+    let grid = || cube_count(cfg, seq_k, kv_heads, batch, 1);
     match tail {
         _ if seq_k == 0 => Vec::new(),
         None => vec![(grid(), *cfg)],
@@ -343,7 +343,7 @@ pub fn backward(
                 } else if seq_q > 0 {
                     query_grads::launch_unchecked::<$tile>(
                         &client,
-                        cube_count(&query_cfg, seq_q, heads, batch),
+                        cube_count(&query_cfg, seq_q, heads, batch, 1),
                         cube_dim(&query_cfg),
                         address,
                         q.into_tensor_arg(),

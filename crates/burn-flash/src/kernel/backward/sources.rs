@@ -119,7 +119,7 @@ pub fn backward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>
                 ));
             }
             if !cfg.atomic_dq && seq > 0 {
-                let grid = cube_count(&query_cfg, seq, heads, batch);
+                let grid = cube_count(&query_cfg, seq, heads, batch, 1);
                 kernels.push(PlannedKernel::new(
                     "query_grads",
                     &plan,

@@ -14,7 +14,7 @@ use cubecl::prelude::*;
 use crate::kernel::band::{Band, kv_blocks};
 use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TileConfig, TilePath};
 use crate::kernel::dropout::{Dropout, keep_mask};
-use crate::kernel::grid::{batch_and_head, row_block};
+use crate::kernel::grid::{batch_and_head, block_and_split, row_block, split_blocks};
 use crate::kernel::inputs::{
     Views, add_bias, alibi_slope, block_visible, fetch_bias, fetch_inputs, hidden_row, hide_packed,
     input_stages, packed_block, visible_range,
@@ -92,7 +92,12 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         q.shape(1),
         k.shape(2),
     );
-    let block = row_block(cfg);
+    // With split keys, `out` holds a head per (split, query head).
+    let (block, split) = if comptime!(cfg.kv_split.0) {
+        block_and_split(out.shape(1) / q.shape(1), cfg)
+    } else {
+        (row_block(cfg), 0usize)
+    };
     let coords = Coords {
         batch,
         kv_head,
@@ -122,6 +127,11 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     // so that the read's latency passes while the stages are set up.
     let (first, end) = kv_blocks(coords.band, coords.q_start, cfg);
     let (first, end) = visible_range(hidden_blocks, coords.hidden_row, first, end);
+    let (first, end) = if comptime!(cfg.kv_split.0) {
+        split_blocks(first, end, split, out.shape(1) / q.shape(1))
+    } else {
+        (first, end)
+    };
     let mut stats = init_stats(neg_inf, cfg);
     let mut acc = Array::<f32>::new(cfg.out_regs());
     #[unroll]
@@ -164,7 +174,12 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     for reg in 0..cfg.out_regs() {
         acc[reg] *= inv_sum[comptime!(cfg.out_slot(reg))];
     }
-    let out_base = batch * out.stride(0) + head * out.stride(1);
+    let out_head = if comptime!(cfg.kv_split.0) {
+        split * q.shape(1) + head
+    } else {
+        head
+    };
+    let out_base = batch * out.stride(0) + out_head * out.stride(1);
     if comptime!(cfg.value_stride() <= cfg.head_stride()) {
         // The query block is done with: its shared memory stages the output rows.
         T::store_owned(
@@ -190,7 +205,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         }
     }
     if T::writes_row_stats() {
-        let lse_base = batch * lse.stride(0) + head * lse.stride(1);
+        let lse_base = batch * lse.stride(0) + out_head * lse.stride(1);
         let lse_row = lse.stride(2);
         #[unroll]
         for slot in 0..cfg.rows_per_unit() {

@@ -1,10 +1,13 @@
 //! Launch of the forward: the plan for these inputs on this device ([`plan`](super::plan)),
 //! then the outputs allocated, the mask packed where the plan says, and the kernel enqueued.
 
+use std::sync::OnceLock;
+
 use cubecl::ir::ElemType;
 use cubecl::prelude::*;
 use cubecl::zspace::Shape;
 
+use super::combine::combine;
 use super::kernel::flash_forward;
 use super::plan::{ForwardPlan, ForwardProblem};
 use crate::kernel::config::{ScoreParams, TilePath};
@@ -15,6 +18,7 @@ use crate::kernel::tensors::{
     F32, KernelTensor, ScoreInputs, address_type, output, stage_map, tma_aligned,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
+use crate::kernel::tuning::choice_override;
 
 /// Decide whether the fused forward can run inputs of this dtype and head dims on this client,
 /// and with which tile. `Err` carries the reason the caller logs before taking the fallback.
@@ -72,6 +76,20 @@ pub fn forward(
     if out.meta.num_elements() == 0 {
         return (out, lse);
     }
+    // Split keys: each split's output and log-sum-exp as heads `split · heads + head` of partial
+    // outputs, merged after the launch.
+    let splits = kv_splits_override().unwrap_or(params.kv_splits);
+    let (cfg, kernel_out, kernel_lse) = if splits > 1 {
+        let partial_out = output(
+            &q,
+            Shape::new([batch, splits * heads, seq_q, value_dim]),
+            q.dtype,
+        );
+        let partial_lse = output(&q, Shape::new([batch, splits * heads, seq_q]), F32);
+        (cfg.with_kv_split(), partial_out, partial_lse)
+    } else {
+        (cfg, out.clone(), lse.clone())
+    };
 
     let (inputs, hidden_blocks) = match (packs, &inputs.mask) {
         (true, Some(mask)) => {
@@ -89,9 +107,9 @@ pub fn forward(
     }
     let (k_map, v_map) = (stage_map(&k, &cfg), stage_map(&v, &cfg));
     let cube_dim = cube_dim(&cfg);
-    let cube_count = cube_count(&cfg, seq_q, heads, batch);
+    let cube_count = cube_count(&cfg, seq_q, heads, batch, splits);
     // The score inputs can be the largest tensors of the launch (`[b, h, sq, sk]`).
-    let address = address_type(&[&q, &k, &v, &out])
+    let address = address_type(&[&q, &k, &v, &kernel_out])
         .max(inputs.address_type())
         .max(address_type(&hidden_blocks.iter().collect::<Vec<_>>()));
     let dtypes = [q.dtype, inputs.mask_dtype()];
@@ -115,8 +133,8 @@ pub fn forward(
                     inputs.mask_arg().into(),
                     hidden_blocks.map(KernelTensor::into_tensor_arg).into(),
                     inputs.bias_arg().into(),
-                    out.clone().into_tensor_arg(),
-                    lse.clone().into_tensor_arg(),
+                    kernel_out.clone().into_tensor_arg(),
+                    kernel_lse.clone().into_tensor_arg(),
                     params.scale,
                     params.left,
                     params.right,
@@ -137,5 +155,15 @@ pub fn forward(
         TilePath::TensorCore => launch!(MmaTile),
         TilePath::Portable => launch!(PortableTile),
     }
+    if cfg.kv_split.0 {
+        combine(&kernel_out, &kernel_lse, &out, &lse);
+    }
     (out, lse)
+}
+
+/// `BURN_FLASH_KV_SPLITS=N` splits every forward's keys across `N` cubes per row block, for
+/// tuning runs: the plan does not choose a split yet.
+fn kv_splits_override() -> Option<usize> {
+    static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
+    *OVERRIDE.get_or_init(|| choice_override("BURN_FLASH_KV_SPLITS", &[1, 2, 4, 8, 16, 32, 64]))
 }

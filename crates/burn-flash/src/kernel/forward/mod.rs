@@ -1,7 +1,9 @@
 //! The forward: FlashAttention-2's loop over key/value blocks with an online softmax
-//! ([`kernel`]), planned on the host ([`plan`]) and launched ([`launch`]); [`sources`] creates
-//! its kernel as the launch would, without a client.
+//! ([`kernel`]), planned on the host ([`plan`]) and launched ([`launch`]), the key blocks split
+//! across cubes where asked and merged by [`combine`]; [`sources`] creates its kernel as the
+//! launch would, without a client.
 
+pub(crate) mod combine;
 mod kernel;
 mod launch;
 pub(crate) mod plan;

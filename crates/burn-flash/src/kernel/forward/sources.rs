@@ -44,7 +44,7 @@ pub fn forward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>,
     )?;
     let cfg = plan.cfg;
     let cube_dim = cube_dim(&cfg);
-    let cube_count = cube_count(&cfg, seq, heads, batch);
+    let cube_count = cube_count(&cfg, seq, heads, batch, 1);
     let address = Placeholder::address_type(&[&q, &k, &v, &out]);
     let dtypes = [dtype, inputs.mask_dtype()];
     let (seed_lo, seed_hi, threshold) = params.dropout_args();

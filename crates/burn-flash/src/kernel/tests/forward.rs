@@ -7,6 +7,11 @@ use crate::{AttentionWindow, FlashAttentionOptions};
 
 /// Output and log-sum-exp of `case` on fresh inputs drawn from `seed`, checked.
 fn check(case: &Case, seed: u64) {
+    check_split(case, seed, 1);
+}
+
+/// [`check`] with each row block's keys split across `splits` cubes.
+fn check_split(case: &Case, seed: u64, splits: usize) {
     let client = client();
     let inputs = Inputs::draw(case, seed);
     let (q, k, v, scores) = inputs.upload(&client, case);
@@ -16,7 +21,8 @@ fn check(case: &Case, seed: u64) {
         case.head_dim,
         case.seq_q,
         case.seq_k,
-    );
+    )
+    .with_kv_splits(splits);
     let (out, lse) = forward(q, k, v, scores, params);
     assert_eq!(out.meta.shape()[..], case.out_dims());
     let (expected_out, expected_lse) = inputs.forward(case);
@@ -100,6 +106,40 @@ fn decoding_rows_match_the_reference() {
     ];
     for (seed, case) in cases.iter().enumerate() {
         check(case, 400 + seed as u64);
+    }
+}
+
+/// Keys split across cubes and merged by their log-sum-exps: decoding rows, several row blocks,
+/// causal rows that see no key, windows, masks and biases, more splits than key blocks (empty
+/// splits).
+#[test]
+fn split_keys_match_the_reference() {
+    let cases = [
+        (Case::new(2, 8, 1, 300, 64).kv_heads(2).causal(), 3),
+        (
+            Case::new(1, 8, 3, 1000, 64)
+                .kv_heads(2)
+                .causal()
+                .value_dim(32),
+            4,
+        ),
+        (Case::new(1, 2, 70, 45, 32).causal(), 2),
+        (Case::new(1, 1, 9, 20, 32), 7),
+        (
+            Case::new(1, 2, 37, 130, 64).options(
+                FlashAttentionOptions::causal().with_window(AttentionWindow::new(Some(40), None)),
+            ),
+            3,
+        ),
+        (
+            Case::new(2, 2, 5, 90, 32)
+                .mask([2, 1, 1, 90])
+                .bias([1, 2, 5, 90]),
+            2,
+        ),
+    ];
+    for (seed, (case, splits)) in cases.iter().enumerate() {
+        check_split(case, 500 + seed as u64, *splits);
     }
 }
 
