@@ -838,6 +838,9 @@ pub struct ScoreParams {
     pub alibi_pow2: Option<u32>,
     /// Cubes each row block's keys are split across in the forward (1: none; [`KvSplit`]).
     pub kv_splits: usize,
+    /// With one query per sequence, the forward takes the query heads that share a key/value
+    /// head as the rows of one block, where nothing else depends on the row.
+    pub pack_groups: bool,
 }
 
 /// How one score register draws dropout's bits ([`TileConfig::dropout_draw`]).
@@ -911,6 +914,16 @@ impl ScoreParams {
                 }),
             alibi_pow2: (options.alibi && heads > 0).then(|| 1 << heads.ilog2()),
             kv_splits: 1,
+            pack_groups: false,
+        }
+    }
+
+    /// These parameters with the forward packing grouped query heads into rows
+    /// ([`pack_groups`](Self::pack_groups)) where it can.
+    pub fn with_pack_groups(self) -> Self {
+        Self {
+            pack_groups: true,
+            ..self
         }
     }
 

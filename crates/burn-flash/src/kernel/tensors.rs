@@ -154,6 +154,19 @@ impl KernelTensor {
         cubecl::std::tensor::is_contiguous(self.meta.shape(), self.meta.strides())
     }
 
+    /// This contiguous tensor seen with another shape of as many elements, row-major.
+    pub fn reshaped<const N: usize>(self, shape: [usize; N]) -> Self {
+        assert!(
+            self.is_contiguous() && shape.iter().product::<usize>() == self.meta.num_elements(),
+            "a reshape of a contiguous tensor, element count kept"
+        );
+        let mut strides = [1usize; N];
+        for dim in (1..N).rev() {
+            strides[dim - 1] = strides[dim] * shape[dim];
+        }
+        Self::new(self.client, self.handle, shape, strides, self.dtype)
+    }
+
     /// This tensor, copied into a contiguous one where it is not.
     pub fn into_contiguous(self) -> Self {
         if self.is_contiguous() {

@@ -10,7 +10,7 @@ use cubecl::zspace::Shape;
 use super::combine::combine;
 use super::kernel::flash_forward;
 use super::plan::{ForwardPlan, ForwardProblem};
-use crate::kernel::config::{ScoreParams, TilePath};
+use crate::kernel::config::{MaskConfig, ScoreParams, TilePath};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::{cube_count, cube_dim};
 use crate::kernel::pack::pack_mask;
@@ -18,7 +18,7 @@ use crate::kernel::tensors::{
     F32, KernelTensor, ScoreInputs, address_type, output, stage_map, tma_aligned,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
-use crate::kernel::tuning::choice_override;
+use crate::kernel::tuning::{choice_override, flag_override};
 
 /// Decide whether the fused forward can run inputs of this dtype and head dims on this client,
 /// and with which tile. `Err` carries the reason the caller logs before taking the fallback.
@@ -53,6 +53,29 @@ pub fn forward(
     let dims = q.meta.shape().clone();
     let (batch, heads, seq_q, head_dim) = (dims[0], dims[1], dims[2], dims[3]);
     let value_dim = v.meta.shape()[3];
+    let kv_heads = k.meta.shape()[1];
+    if let Some(group) = packed_group(heads, kv_heads, seq_q, &inputs, &params) {
+        // The query heads of a key/value head as the rows of one block: `[b, h, 1, d]` read as
+        // `[b, hkv, h / hkv, d]` (the same elements), so each cached key is read once per
+        // key/value head rather than once per query head. One query sees every key
+        // (bottom-right), so the causal bound, which would place each row's diagonal apart,
+        // is dropped.
+        let params = ScoreParams {
+            mask: MaskConfig {
+                right: false,
+                ..params.mask
+            },
+            right: 0,
+            pack_groups: false,
+            ..params
+        };
+        let rows = q.reshaped([batch, kv_heads, group, head_dim]);
+        let (out, lse) = forward(rows, k, v, inputs, params);
+        return (
+            out.reshaped([batch, heads, 1, value_dim]),
+            lse.reshaped([batch, heads, 1]),
+        );
+    }
     let client = q.client.clone();
 
     let problem = ForwardProblem {
@@ -166,4 +189,39 @@ pub fn forward(
 fn kv_splits_override() -> Option<usize> {
     static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
     *OVERRIDE.get_or_init(|| choice_override("BURN_FLASH_KV_SPLITS", &[1, 2, 4, 8, 16, 32, 64]))
+}
+
+/// The query heads per key/value head the forward packs into one block's rows, where
+/// [`ScoreParams::pack_groups`] asks for it (or `BURN_FLASH_PACK_GROUPS=1`) and
+/// [`group_packs`] allows it.
+pub(crate) fn packed_group(
+    heads: usize,
+    kv_heads: usize,
+    seq_q: usize,
+    inputs: &ScoreInputs,
+    params: &ScoreParams,
+) -> Option<usize> {
+    let pack = pack_override().unwrap_or(params.pack_groups);
+    (pack && heads > kv_heads && group_packs(seq_q, inputs, params)).then_some(heads / kv_heads)
+}
+
+/// Whether one query per sequence (`seq_q`) with these inputs and parameters can take its
+/// key/value head's query heads as rows: nothing but the causal bound depends on the row
+/// (no window, mask, bias, ALiBi or dropout), and with one query aligned bottom-right that
+/// bound hides nothing.
+fn group_packs(seq_q: usize, inputs: &ScoreInputs, params: &ScoreParams) -> bool {
+    seq_q == 1
+        && !params.mask.top_left
+        && inputs.mask.is_none()
+        && inputs.bias.is_none()
+        && !params.mask.left
+        && params.alibi_pow2.is_none()
+        && params.dropout.is_none()
+}
+
+/// `BURN_FLASH_PACK_GROUPS=0|1` decides [`ScoreParams::pack_groups`] for every forward of a
+/// tuning run: the plan does not choose it yet.
+fn pack_override() -> Option<bool> {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_PACK_GROUPS"))
 }

@@ -5,7 +5,7 @@
 
 pub(crate) mod combine;
 mod kernel;
-mod launch;
+pub(crate) mod launch;
 pub(crate) mod plan;
 pub(super) mod sources;
 

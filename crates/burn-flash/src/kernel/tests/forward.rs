@@ -1,9 +1,21 @@
 //! The forward on the portable tile against the f64 reference.
 
 use super::{Case, Inputs, assert_close, client};
+use crate::kernel::forward::launch::packed_group;
 use crate::kernel::tensors::F32;
-use crate::kernel::{ScoreParams, TilePath, forward, support};
-use crate::{AttentionWindow, FlashAttentionOptions};
+use crate::kernel::{ScoreInputs, ScoreParams, TilePath, forward, support};
+use crate::{AttentionWindow, CausalAlignment, FlashAttentionOptions};
+
+/// The kernel parameters of `case`'s options.
+fn params_of(case: &Case) -> ScoreParams {
+    ScoreParams::new(
+        &case.options,
+        case.heads,
+        case.head_dim,
+        case.seq_q,
+        case.seq_k,
+    )
+}
 
 /// Output and log-sum-exp of `case` on fresh inputs drawn from `seed`, checked.
 fn check(case: &Case, seed: u64) {
@@ -12,17 +24,15 @@ fn check(case: &Case, seed: u64) {
 
 /// [`check`] with each row block's keys split across `splits` cubes.
 fn check_split(case: &Case, seed: u64, splits: usize) {
+    check_with(case, seed, |params| params.with_kv_splits(splits));
+}
+
+/// [`check`] with the parameters `adjust` makes of the case's.
+fn check_with(case: &Case, seed: u64, adjust: impl Fn(ScoreParams) -> ScoreParams) {
     let client = client();
     let inputs = Inputs::draw(case, seed);
     let (q, k, v, scores) = inputs.upload(&client, case);
-    let params = ScoreParams::new(
-        &case.options,
-        case.heads,
-        case.head_dim,
-        case.seq_q,
-        case.seq_k,
-    )
-    .with_kv_splits(splits);
+    let params = adjust(params_of(case));
     let (out, lse) = forward(q, k, v, scores, params);
     assert_eq!(out.meta.shape()[..], case.out_dims());
     let (expected_out, expected_lse) = inputs.forward(case);
@@ -141,6 +151,51 @@ fn split_keys_match_the_reference() {
     for (seed, (case, splits)) in cases.iter().enumerate() {
         check_split(case, 500 + seed as u64, *splits);
     }
+}
+
+/// One query per sequence with the query heads of a key/value head packed into one block's
+/// rows, alone and with split keys; where something depends on the row (a window, top-left
+/// causal) the packing steps aside. (This module's reference aligns bottom-right only; the
+/// suite's tests top-left.)
+#[test]
+fn packed_groups_match_the_reference() {
+    // (case, splits, packed)
+    let cases = [
+        (Case::new(2, 8, 1, 300, 64).kv_heads(2).causal(), 1, true),
+        (
+            Case::new(1, 8, 1, 1000, 64).kv_heads(1).value_dim(32),
+            4,
+            true,
+        ),
+        (Case::new(3, 6, 1, 77, 32).kv_heads(3).causal(), 2, true),
+        (
+            Case::new(1, 4, 1, 90, 32).kv_heads(2).options(
+                FlashAttentionOptions::causal().with_window(AttentionWindow::new(Some(20), None)),
+            ),
+            1,
+            false,
+        ),
+    ];
+    for (seed, (case, splits, packed)) in cases.iter().enumerate() {
+        let adjust = |params: ScoreParams| params.with_pack_groups().with_kv_splits(*splits);
+        let params = adjust(params_of(case));
+        let group = packed_group(
+            case.heads,
+            case.kv_heads,
+            case.seq_q,
+            &ScoreInputs::new(None, None),
+            &params,
+        );
+        assert_eq!(group.is_some(), *packed, "{case:?}");
+        check_with(case, 600 + seed as u64, adjust);
+    }
+    // Top-left, one query sees key 0 only: the rows would need diagonals of their own.
+    let top_left = FlashAttentionOptions::causal().with_causal_alignment(CausalAlignment::TopLeft);
+    let params = ScoreParams::new(&top_left, 4, 32, 1, 50).with_pack_groups();
+    assert_eq!(
+        packed_group(4, 2, 1, &ScoreInputs::new(None, None), &params),
+        None
+    );
 }
 
 /// Boolean masks per pair and per key (broadcast over queries, heads or batches), and additive
