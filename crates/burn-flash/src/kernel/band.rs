@@ -41,7 +41,7 @@ impl Band {
 /// were before the alignment existed.
 #[cube]
 pub fn diagonal(band: Band, #[comptime] mask: MaskConfig) -> (usize, usize) {
-    if comptime!(mask.top_left) {
+    if comptime!(mask.top_left.0) {
         (usize::new(0), usize::new(0))
     } else {
         (band.seq_q, band.seq_k)

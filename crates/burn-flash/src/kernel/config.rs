@@ -141,20 +141,22 @@ pub struct TileConfig {
     /// Which cubes of a dK/dV launch whose last wave is split walk what
     /// ([`tail`](super::backward::tail)).
     pub tail: TailPart,
-    /// The forward splits each row block's keys across cubes ([`KvSplit`]).
-    pub kv_split: KvSplit,
+    /// The forward splits each row block's keys across cubes (split-KV, for short query blocks
+    /// such as decoding's): the grid's x runs over (row block, split), and each cube writes the
+    /// partial output and log-sum-exp of its share of the key blocks as head
+    /// `split · heads + head` of its outputs, which [`combine`](super::forward::combine) merges.
+    pub kv_split: Switch,
 }
 
-/// Whether the forward splits each row block's keys across cubes (split-KV, for short query
-/// blocks such as decoding's): the grid's x runs over (row block, split), and each cube writes
-/// the partial output and log-sum-exp of its share of the key blocks as head
-/// `split · heads + head` of its outputs, which [`combine`](super::forward::combine) merges.
-/// Hashed only when set, so that the kernels without it keep their names (as
-/// [`MaskConfig::top_left`]).
+/// A comptime switch that joins a configuration's hash only when on. CubeCL names each kernel's
+/// entry point by that hash, and compiled shaders are cached under the name (lavapipe's cache
+/// is what keeps CI's tests short): a switch added to a configuration after its kernels existed
+/// leaves them their names while off, as CubeCL leaves an unset debug level out of the same
+/// hash.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KvSplit(pub bool);
+pub struct Switch(pub bool);
 
-impl Hash for KvSplit {
+impl Hash for Switch {
     fn hash<H: Hasher>(&self, state: &mut H) {
         if self.0 {
             self.0.hash(state);
@@ -222,7 +224,7 @@ impl Staged {
 
 /// Which bounds hide keys around the diagonal (see [`mask`](super::mask)), and whether a boolean
 /// mask input hides some more; the offsets and the mask are runtime values.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
 pub struct MaskConfig {
     /// Keys right of the diagonal by more than an offset are hidden (causal: offset 0).
     pub right: bool,
@@ -239,27 +241,7 @@ pub struct MaskConfig {
     /// The diagonal of query `i` is key `i` (top-left alignment) rather than
     /// `i + seq_k - seq_q` (bottom-right, Burn's default); it places the band and ALiBi. Set
     /// only where the two differ (`seq_q != seq_k`) and something reads the diagonal.
-    pub top_left: bool,
-}
-
-/// As derived, except that `top_left` joins the hash only when set: a kernel aligned bottom-right
-/// keeps the entry point name CubeCL derives from the hash, and with it the compiled shaders
-/// cached under that name (as CubeCL leaves debug info out of a kernel's hash when off).
-impl Hash for MaskConfig {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        let Self {
-            right,
-            left,
-            tensor,
-            per_key,
-            packed,
-            top_left,
-        } = self;
-        (right, left, tensor, per_key, packed).hash(state);
-        if *top_left {
-            top_left.hash(state);
-        }
-    }
+    pub top_left: Switch,
 }
 
 impl TileConfig {
@@ -294,7 +276,7 @@ impl TileConfig {
             staged: Staged::default(),
             batch_inner: false,
             tail: TailPart::All,
-            kv_split: KvSplit(false),
+            kv_split: Switch(false),
         }
     }
 
@@ -323,7 +305,7 @@ impl TileConfig {
             staged: Staged::default(),
             batch_inner: false,
             tail: TailPart::All,
-            kv_split: KvSplit(false),
+            kv_split: Switch(false),
         }
     }
 
@@ -374,10 +356,10 @@ impl TileConfig {
         Self { atomic_dq, ..self }
     }
 
-    /// These blocks with the forward's keys split across cubes ([`KvSplit`]).
+    /// These blocks with the forward's keys split across cubes ([`kv_split`](Self::kv_split)).
     pub fn with_kv_split(self) -> Self {
         Self {
-            kv_split: KvSplit(true),
+            kv_split: Switch(true),
             ..self
         }
     }
@@ -836,7 +818,8 @@ pub struct ScoreParams {
     pub dropout: Option<DropoutParams>,
     /// With ALiBi, the largest power of two not above the query head count (its slopes' base).
     pub alibi_pow2: Option<u32>,
-    /// Cubes each row block's keys are split across in the forward (1: none; [`KvSplit`]).
+    /// Cubes each row block's keys are split across in the forward (1: none;
+    /// [`TileConfig::kv_split`]).
     pub kv_splits: usize,
     /// With one query per sequence, the forward takes the query heads that share a key/value
     /// head as the rows of one block, where nothing else depends on the row.
@@ -898,7 +881,7 @@ impl ScoreParams {
                 tensor: false,
                 per_key: false,
                 packed: false,
-                top_left: top_left && (left.is_some() || right.is_some() || options.alibi),
+                top_left: Switch(top_left && (left.is_some() || right.is_some() || options.alibi)),
             },
             bias: false,
             left: offset(left),

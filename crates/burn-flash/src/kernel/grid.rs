@@ -41,7 +41,8 @@ pub fn row_block(#[comptime] cfg: TileConfig) -> usize {
 }
 
 /// This cube's row block and its split of the row block's keys, of `splits`, where the keys
-/// are split ([`KvSplit`](super::config::KvSplit)): the grid's x runs over (row block, split).
+/// are split ([`TileConfig::kv_split`](super::config::TileConfig::kv_split)): the grid's x runs
+/// over (row block, split).
 #[cube]
 pub fn block_and_split(splits: usize, #[comptime] cfg: TileConfig) -> (usize, usize) {
     let x = row_block(cfg);
@@ -58,7 +59,8 @@ pub fn split_blocks(first: usize, end: usize, split: usize, splits: usize) -> (u
 }
 
 /// The cubes of a launch over `rows` rows per (batch, head) in blocks of `cfg.block_q`, each
-/// block's keys split across `splits` cubes (1 without [`KvSplit`](super::config::KvSplit)).
+/// block's keys split across `splits` cubes (1 without
+/// [`TileConfig::kv_split`](super::config::TileConfig::kv_split)).
 pub fn cube_count(
     cfg: &TileConfig,
     rows: usize,

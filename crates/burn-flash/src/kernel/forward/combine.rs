@@ -1,4 +1,4 @@
-//! The forward's split keys merged ([`KvSplit`](crate::kernel::config::KvSplit)): split `s` of
+//! The forward's split keys merged ([`TileConfig::kv_split`](crate::kernel::config::TileConfig::kv_split)): split `s` of
 //! a row left `o_s`, normalised over its keys, and `lse_s`; the row's log-sum-exp is
 //! `lse = log Σ_s exp(lse_s)` and its output `Σ_s exp(lse_s − lse) · o_s`. A split that saw no
 //! key has `lse_s = −inf` and weighs nothing; a row no split saw keeps output 0 and `−inf`.

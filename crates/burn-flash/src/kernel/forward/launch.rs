@@ -211,7 +211,7 @@ pub(crate) fn packed_group(
 /// bound hides nothing.
 fn group_packs(seq_q: usize, inputs: &ScoreInputs, params: &ScoreParams) -> bool {
     seq_q == 1
-        && !params.mask.top_left
+        && !params.mask.top_left.0
         && inputs.mask.is_none()
         && inputs.bias.is_none()
         && !params.mask.left
