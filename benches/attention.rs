@@ -97,7 +97,7 @@ use clap::builder::RangedU64ValueParser;
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, ValueEnum};
 
-use common::{Backend, Clear, Impl, name, select_device, timed};
+use common::{Backend, Clear, Impl, median_ms, name, select_device, timed};
 
 /// Attention timings of burn-flash against Burn's attention, as CSV (see the header of
 /// `benches/attention.rs`).
@@ -308,17 +308,6 @@ fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
         .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
         .unwrap_or_else(|| "panic".into());
     text.replace(['\n', ','], " ").chars().take(120).collect()
-}
-
-fn median_ms(times: &mut [Duration]) -> f64 {
-    times.sort_unstable();
-    let mid = times.len() / 2;
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    if times.len() % 2 == 1 {
-        ms(times[mid])
-    } else {
-        (ms(times[mid - 1]) + ms(times[mid])) / 2.0
-    }
 }
 
 /// One input set: `q`, `k`, `v`, and the mask and bias when the run has them.

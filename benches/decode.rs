@@ -29,13 +29,15 @@
 
 mod common;
 
+use std::time::Duration;
+
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::{DType, Device, Distribution, Tensor};
 use burn_flash::{FlashAttentionOptions, flash_attention, flash_attention_plan};
 use clap::Parser;
 use clap::builder::RangedU64ValueParser;
 
-use common::{Backend, Clear, Impl, name, select_device, timed};
+use common::{Backend, Clear, Impl, median_ms, name, select_device, timed};
 
 /// Decode timings of burn-flash against Burn's attention, as CSV (see the header of
 /// `benches/decode.rs`).
@@ -116,16 +118,6 @@ impl Shape {
     }
 }
 
-fn median_ms(mut samples: Vec<f64>) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    let mid = samples.len() / 2;
-    if samples.len() % 2 == 1 {
-        samples[mid]
-    } else {
-        (samples[mid - 1] + samples[mid]) / 2.0
-    }
-}
-
 /// The median time of one call of `imp`, in ms: by difference with the clears where there are
 /// some, else back to back. `NaN` where the difference is not positive.
 fn time_row(
@@ -154,18 +146,18 @@ fn time_row(
     // As many calls as fill about 20 ms, at most 50.
     let once = timed(device, 1, |_| step(true)).0;
     let batch = ((0.02 / once.as_secs_f64().max(1e-6)) as usize).clamp(1, 50);
-    let samples = (0..args.iters)
+    let mut samples: Vec<_> = (0..args.iters)
         .map(|_| {
-            let both = timed(device, batch, |_| step(true)).0.as_secs_f64();
+            let both = timed(device, batch, |_| step(true)).0;
             let clears = if clearing {
-                timed(device, batch, |_| step(false)).0.as_secs_f64()
+                timed(device, batch, |_| step(false)).0
             } else {
-                0.0
+                Duration::ZERO
             };
-            (both - clears) * 1e3
+            both.saturating_sub(clears)
         })
         .collect();
-    let ms = median_ms(samples);
+    let ms = median_ms(&mut samples);
     if ms > 0.0 { ms } else { f64::NAN }
 }
 

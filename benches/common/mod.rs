@@ -87,3 +87,15 @@ pub fn timed(device: &Device, batch: usize, mut step: impl FnMut(usize)) -> (Dur
     device.sync().expect("device sync");
     (start.elapsed() / batch as u32, issued / batch as u32)
 }
+
+/// The median of `times`, in milliseconds.
+pub fn median_ms(times: &mut [Duration]) -> f64 {
+    times.sort_unstable();
+    let mid = times.len() / 2;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    if times.len() % 2 == 1 {
+        ms(times[mid])
+    } else {
+        (ms(times[mid - 1]) + ms(times[mid])) / 2.0
+    }
+}
