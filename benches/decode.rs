@@ -29,7 +29,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::{DType, Device, Distribution, Tensor};
@@ -131,7 +131,11 @@ fn time_row(
         let [q, k, v] = inputs.clone();
         decode(imp, q, k, v)
     };
-    for _ in 0..=args.warmup {
+    let started = Instant::now();
+    call();
+    device.sync().expect("device sync");
+    let first = started.elapsed();
+    for _ in 0..args.warmup {
         call();
     }
     let clearing = clear.is_some();
@@ -158,6 +162,13 @@ fn time_row(
         })
         .collect();
     let ms = median_ms(&mut samples);
+    // Where a row's time goes: compiles and autotune in the first call, the rest timing.
+    eprintln!(
+        "  {}: first call {:.1} s, row {:.1} s",
+        name(imp),
+        first.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
     if ms > 0.0 { ms } else { f64::NAN }
 }
 
@@ -207,12 +218,16 @@ fn main() {
                     Tensor::<4>::random([b, heads, seq, d], Distribution::Normal(0.0, 1.0), &device)
                         .cast(dtype)
                 };
+                let drawn = Instant::now();
                 let inputs = [random(hq, args.sq), random(hkv, sk), random(hkv, sk)];
+                device.sync().expect("device sync");
+                let drawn = drawn.elapsed();
                 let [q, k, v] = &inputs;
                 let plan = flash_attention_plan(q, k, v, FlashAttentionOptions::causal());
                 eprintln!(
-                    "{shape:?}: burn-flash runs {}",
-                    plan.map_or_else(|e| e.to_string(), |p| p.to_string())
+                    "{shape:?}: burn-flash runs {}; inputs drawn in {:.1} s",
+                    plan.map_or_else(|e| e.to_string(), |p| p.to_string()),
+                    drawn.as_secs_f64()
                 );
                 for &imp in &args.impls {
                     let ms = time_row(&device, &args, imp, &inputs, clear.as_mut());

@@ -31,14 +31,30 @@ chmod +x .gpu/test-* .gpu/bench-* .gpu/gpt .gpu/*/* 2>/dev/null
 if [ -e .gpu/fortunes.tar ]; then mkdir -p /tmp/corpus && tar -xf .gpu/fortunes.tar -C /tmp/corpus; fi
 # CubeCL's autotune results and compiled PTX, kept between calls: a GPT process otherwise spends
 # its first five minutes compiling and autotuning Burn's kernels on the CPU. CACHE=1 turns the
-# PTX cache on and returns both as $OUT/cubecl-cache.tar.xz (kept as .gpu/cubecl-cache.tar.xz).
+# PTX cache on and returns both, xz-compressed in parts of 15 MiB, as
+# $OUT/cubecl-cache.tar.xz.part-* (keep them in .gpu/ for the next call).
 if [ "${CACHE:-0}" = 1 ]; then
   # CubeCL 0.12 keeps compiled kernels and autotune results in one database under
   # target/environment/ (autotune results there by default).
   printf '[compilation]\ncache = true\n' >cubecl.toml
-  if [ -e .gpu/cubecl-cache.tar ]; then mkdir -p target && tar -xf .gpu/cubecl-cache.tar -C target; fi
-  trap 'tar -cf - -C target . | xz -T0 -6 >"$OUT/cubecl-cache.tar.xz"' EXIT
+  if compgen -G '.gpu/cubecl-cache.tar.xz.part-*' >/dev/null; then
+    mkdir -p target && cat .gpu/cubecl-cache.tar.xz.part-* | xz -d | tar -xf - -C target
+  fi
 fi
+# The device returns at most 8 files of at most 16 MiB from $OUT: at exit the cache is cut into
+# parts, and where more than 8 files remain, all but the CSVs and the cache go into logs.tar.xz.
+finish() {
+  if [ "${CACHE:-0}" = 1 ]; then
+    tar -cf - -C target . | xz -T0 -6 | split -b 15M - "$OUT/cubecl-cache.tar.xz.part-"
+  fi
+  local all=("$OUT"/*)
+  if [ ${#all[@]} -gt 8 ]; then
+    local logs
+    logs=$(cd "$OUT" && ls | grep -v -e '\.csv$' -e '^cubecl-cache')
+    (cd "$OUT" && tar -cJf logs.tar.xz --remove-files $logs)
+  fi
+}
+trap finish EXIT
 # GPT-2 small in bf16, the same for every gpt stage: on Debian's fortunes where
 # `scripts/pack-gpu.sh` found them (the corpus of docs/gpt.md's runs), else the built-in corpus.
 DATA=()
@@ -86,7 +102,7 @@ for stage in "$@"; do
         [ -e "$f" ] && { echo "=== $(basename "$f" .log) (unfinished)"; cat "$f"; } >>"$OUT/ptests.log"
       done
     }
-    # TERM and INT only: EXIT may already carry CACHE=1's trap, which `exit` still runs.
+    # TERM and INT only: EXIT carries `finish`, which `exit` still runs.
     trap 'collect_unfinished; exit 143' TERM INT
     ptest() {
       local log="$logs/$(basename "$1").${2//::/.}.log"
@@ -206,9 +222,19 @@ EOF
   decode)
     # Decoding against a KV cache: PyTorch's backends and ours on the same shapes, same call
     # (DECODE_ARGS: the flags both programs take, --b --sk --hkv --hq --sq --d --max-cache-gib).
+    # DECODE_VARIANTS: space-separated settings our rows run under, each `plan` (the plan's
+    # choices) or comma-separated VAR=value pairs (e.g. BURN_FLASH_KV_SPLITS=1,BURN_FLASH_PACK_GROUPS=0);
+    # all in one decode.csv, the setting in its first column.
     python3 scripts/torch_decode_bench.py ${DECODE_ARGS:-} 2>"$OUT/torch-decode.err" \
       | tee "$OUT/torch-decode.csv"
-    $BIN/bench-decode ${DECODE_ARGS:-} 2>"$OUT/decode.err" | tee "$OUT/decode.csv"
+    echo "variant,impl,dtype,b,hq,hkv,sq,sk,d,ms,gbps" >"$OUT/decode.csv"
+    for variant in ${DECODE_VARIANTS:-plan}; do
+      vars=(); [ "$variant" = plan ] || IFS=, read -ra vars <<<"$variant"
+      echo "# $variant" >>"$OUT/decode.err"
+      env "${vars[@]}" timeout "${DECODE_TIMEOUT:-600}" $BIN/bench-decode ${DECODE_ARGS:-} \
+        2>>"$OUT/decode.err" | grep -v '^impl,' | sed "s/^/${variant//,/+},/" \
+        | tee -a "$OUT/decode.csv"
+    done
     ;;
   timing)
     # The bench's two timing methods against each other (docs/performance.md, "Timing method

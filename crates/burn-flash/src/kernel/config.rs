@@ -818,11 +818,11 @@ pub struct ScoreParams {
     pub dropout: Option<DropoutParams>,
     /// With ALiBi, the largest power of two not above the query head count (its slopes' base).
     pub alibi_pow2: Option<u32>,
-    /// Cubes each row block's keys are split across in the forward (1: none;
-    /// [`TileConfig::kv_split`]).
-    pub kv_splits: usize,
+    /// Cubes each row block's keys are split across in the forward ([`TileConfig::kv_split`]);
+    /// `None` leaves it to the plan, which splits where the row blocks alone leave SMs idle.
+    pub kv_splits: Option<usize>,
     /// With one query per sequence, the forward takes the query heads that share a key/value
-    /// head as the rows of one block, where nothing else depends on the row.
+    /// head as the rows of one block, where nothing else depends on the row (on by default).
     pub pack_groups: bool,
 }
 
@@ -896,25 +896,26 @@ impl ScoreParams {
                     threshold: d.keep_threshold(),
                 }),
             alibi_pow2: (options.alibi && heads > 0).then(|| 1 << heads.ilog2()),
-            kv_splits: 1,
-            pack_groups: false,
+            kv_splits: None,
+            pack_groups: true,
         }
     }
 
     /// These parameters with the forward packing grouped query heads into rows
-    /// ([`pack_groups`](Self::pack_groups)) where it can.
-    pub fn with_pack_groups(self) -> Self {
+    /// ([`pack_groups`](Self::pack_groups)) where it can, or never.
+    pub fn with_pack_groups(self, pack: bool) -> Self {
         Self {
-            pack_groups: true,
+            pack_groups: pack,
             ..self
         }
     }
 
-    /// These parameters with the forward's keys split across `splits` cubes per row block.
+    /// These parameters with the forward's keys split across `splits` cubes per row block,
+    /// whatever the plan would choose.
     pub fn with_kv_splits(self, splits: usize) -> Self {
         assert!(splits > 0, "a key sequence splits into one part at least");
         Self {
-            kv_splits: splits,
+            kv_splits: Some(splits),
             ..self
         }
     }

@@ -18,7 +18,7 @@ use crate::kernel::tensors::{
     F32, KernelTensor, ScoreInputs, address_type, output, stage_map, tma_aligned,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
-use crate::kernel::tuning::{choice_override, flag_override};
+use crate::kernel::tuning::flag_override;
 
 /// Decide whether the fused forward can run inputs of this dtype and head dims on this client,
 /// and with which tile. `Err` carries the reason the caller logs before taking the fallback.
@@ -81,6 +81,9 @@ pub fn forward(
     let problem = ForwardProblem {
         dtype: q.dtype,
         batch,
+        heads,
+        seq_q,
+        seq_k: k.meta.shape()[2],
         head_dim,
         value_dim,
         params,
@@ -93,6 +96,7 @@ pub fn forward(
     let ForwardPlan {
         cfg,
         pack_mask: packs,
+        kv_splits: splits,
     } = plan;
     let out = output(&q, Shape::new([batch, heads, seq_q, value_dim]), q.dtype);
     let lse = output(&q, Shape::new([batch, heads, seq_q]), F32);
@@ -101,17 +105,16 @@ pub fn forward(
     }
     // Split keys: each split's output and log-sum-exp as heads `split · heads + head` of partial
     // outputs, merged after the launch.
-    let splits = kv_splits_override().unwrap_or(params.kv_splits);
-    let (cfg, kernel_out, kernel_lse) = if splits > 1 {
+    let (kernel_out, kernel_lse) = if cfg.kv_split.0 {
         let partial_out = output(
             &q,
             Shape::new([batch, splits * heads, seq_q, value_dim]),
             q.dtype,
         );
         let partial_lse = output(&q, Shape::new([batch, splits * heads, seq_q]), F32);
-        (cfg.with_kv_split(), partial_out, partial_lse)
+        (partial_out, partial_lse)
     } else {
-        (cfg, out.clone(), lse.clone())
+        (out.clone(), lse.clone())
     };
 
     let (inputs, hidden_blocks) = match (packs, &inputs.mask) {
@@ -184,13 +187,6 @@ pub fn forward(
     (out, lse)
 }
 
-/// `BURN_FLASH_KV_SPLITS=N` splits every forward's keys across `N` cubes per row block, for
-/// tuning runs: the plan does not choose a split yet.
-fn kv_splits_override() -> Option<usize> {
-    static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
-    *OVERRIDE.get_or_init(|| choice_override("BURN_FLASH_KV_SPLITS", &[1, 2, 4, 8, 16, 32, 64]))
-}
-
 /// The query heads per key/value head the forward packs into one block's rows, where
 /// [`ScoreParams::pack_groups`] asks for it (or `BURN_FLASH_PACK_GROUPS=1`) and
 /// [`group_packs`] allows it.
@@ -220,7 +216,7 @@ fn group_packs(seq_q: usize, inputs: &ScoreInputs, params: &ScoreParams) -> bool
 }
 
 /// `BURN_FLASH_PACK_GROUPS=0|1` decides [`ScoreParams::pack_groups`] for every forward of a
-/// tuning run: the plan does not choose it yet.
+/// tuning run.
 fn pack_override() -> Option<bool> {
     static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
     *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_PACK_GROUPS"))

@@ -20,6 +20,10 @@ use crate::kernel::tuning::{choice_override, flag_override, shape_override};
 pub struct ForwardProblem {
     pub dtype: ElemType,
     pub batch: usize,
+    /// Query heads (rows of key/value heads where grouped heads are packed).
+    pub heads: usize,
+    pub seq_q: usize,
+    pub seq_k: usize,
     pub head_dim: usize,
     pub value_dim: usize,
     /// The score parameters, with the inputs' ([`ScoreParams::with_inputs`]).
@@ -36,6 +40,9 @@ pub struct ForwardPlan {
     pub cfg: TileConfig,
     /// The mask is packed into bits first ([`pack`](crate::kernel::pack)); `cfg.mask.packed`.
     pub pack_mask: bool,
+    /// Cubes each row block's keys are split across, their partial outputs merged after the
+    /// launch (`cfg.kv_split` where more than 1).
+    pub kv_splits: usize,
 }
 
 /// Whether the fused forward can run inputs of this dtype and head dims on this device, and
@@ -76,7 +83,17 @@ impl ForwardPlan {
         } else {
             cfg
         };
-        Ok(Self { cfg, pack_mask })
+        let kv_splits = kv_splits(caps, &cfg, problem);
+        let cfg = if kv_splits > 1 {
+            cfg.with_kv_split()
+        } else {
+            cfg
+        };
+        Ok(Self {
+            cfg,
+            pack_mask,
+            kv_splits,
+        })
     }
 }
 
@@ -101,6 +118,13 @@ impl fmt::Display for ForwardPlan {
         }
         if cfg.batch_inner {
             write!(f, ", batches before heads")?;
+        }
+        if self.kv_splits > 1 {
+            write!(
+                f,
+                ", keys split across {} cubes a row block",
+                self.kv_splits
+            )?;
         }
         Ok(())
     }
@@ -130,6 +154,44 @@ fn tensor_core_shapes(head_dim: usize, value_dim: usize) -> TileConfig {
     let (planes, plane_rows, block_kv) = shape.unwrap_or(default);
     TileConfig::tensor_core(head_dim, value_dim, planes, plane_rows, block_kv)
 }
+
+/// Cubes each row block's keys are split across: [`ScoreParams::kv_splits`] where the caller
+/// chose, else more than one only where every (batch, head) pair is one row block (decoding,
+/// speculative verification) and those blocks are fewer than the device's SMs. Then the
+/// smallest power of two that gives 1.5 cubes an SM or more, each split keeping
+/// [`MIN_SPLIT_BLOCKS`] key blocks, at most [`MAX_SPLITS`]. On the H200 at head dim 128, 32
+/// row blocks over 4k–128k keys ran 2.1–5.1× faster split 8 ways than whole, and 256 row
+/// blocks whole within 2 % of split or faster (docs/perf-notes.md, 2026-11-29).
+/// `BURN_FLASH_KV_SPLITS=N` decides instead (tuning runs).
+fn kv_splits(caps: &DeviceCaps, cfg: &TileConfig, problem: &ForwardProblem) -> usize {
+    static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
+    let forced = *OVERRIDE
+        .get_or_init(|| choice_override("BURN_FLASH_KV_SPLITS", &[1, 2, 4, 8, 16, 32, 64]));
+    if let Some(splits) = forced.or(problem.params.kv_splits) {
+        return splits;
+    }
+    let Some(sms) = caps.sms else {
+        return 1;
+    };
+    let row_blocks = problem.seq_q.div_ceil(cfg.block_q) * problem.heads * problem.batch;
+    if problem.seq_q > cfg.block_q || row_blocks >= sms {
+        return 1;
+    }
+    let most = (problem.seq_k.div_ceil(cfg.block_kv) / MIN_SPLIT_BLOCKS).clamp(1, MAX_SPLITS);
+    let mut splits = 1;
+    while splits * 2 <= most && 2 * row_blocks * splits < 3 * sms {
+        splits *= 2;
+    }
+    splits
+}
+
+/// Key blocks each split of a row block keeps at least: fewer leave the merge and the
+/// pipeline's fill a large share of a split's time (32 splits of 2 blocks ran 1.4× slower than
+/// 8 of 8 on the H200).
+const MIN_SPLIT_BLOCKS: usize = 4;
+
+/// The most cubes one row block's keys are split across.
+const MAX_SPLITS: usize = 64;
 
 /// Whether a launch with blocks `cfg` stages its staged operands (K and V in the forward, Q and
 /// dO in the dK/dV launch) by tensor maps ([`TileConfig::tma`]): the device has the copy engine
@@ -273,6 +335,9 @@ mod tests {
         ForwardProblem {
             dtype: BF16,
             batch: 4,
+            heads: 16,
+            seq_q: 4096,
+            seq_k: 4096,
             head_dim: d,
             value_dim: d,
             params: ScoreParams::new(&options, 16, d, 4096, 4096).with_inputs(
@@ -387,5 +452,45 @@ mod tests {
         // At the default scale of head dim 64 (1/8) bf16 holds 1/scale exactly: the tensor
         // cores add the staged bias.
         assert_eq!(own.cfg.staged.bias_add, BiasAdd::Mma);
+    }
+
+    #[test]
+    fn keys_split_where_one_query_block_per_head_leaves_sms_idle() {
+        let decode = |batch: usize, heads: usize, seq_q: usize, seq_k: usize| ForwardProblem {
+            batch,
+            heads,
+            seq_q,
+            seq_k,
+            params: ScoreParams::new(&FlashAttentionOptions::causal(), heads, 128, seq_q, seq_k),
+            ..problem(128, FlashAttentionOptions::causal(), ScoreFacts::default())
+        };
+        let splits = |caps: &DeviceCaps, problem: &ForwardProblem| {
+            let plan = ForwardPlan::new(caps, problem).unwrap();
+            assert_eq!(plan.cfg.kv_split.0, plan.kv_splits > 1);
+            plan.kv_splits
+        };
+        let h100 = caps::h100();
+        // 32 row blocks on 132 SMs: 8 splits give 256 cubes, 1.9 an SM.
+        assert_eq!(splits(&h100, &decode(1, 32, 1, 16384)), 8);
+        // Each split keeps 4 key blocks of 64: 512 keys split 2 ways only.
+        assert_eq!(splits(&h100, &decode(1, 32, 1, 512)), 2);
+        assert_eq!(splits(&h100, &decode(1, 32, 1, 100)), 1);
+        // 256 row blocks fill the SMs; so do long query blocks.
+        assert_eq!(splits(&h100, &decode(8, 32, 1, 16384)), 1);
+        assert_eq!(splits(&h100, &decode(1, 4, 1024, 16384)), 1);
+        // The caller's choice stands; without an SM count nothing is split.
+        let chosen = decode(8, 32, 1, 16384);
+        let chosen = ForwardProblem {
+            params: chosen.params.with_kv_splits(4),
+            ..chosen
+        };
+        assert_eq!(splits(&h100, &chosen), 4);
+        let lavapipe = ForwardProblem {
+            dtype: F32,
+            head_dim: 64,
+            value_dim: 64,
+            ..decode(1, 32, 1, 16384)
+        };
+        assert_eq!(splits(&caps::lavapipe(), &lavapipe), 1);
     }
 }

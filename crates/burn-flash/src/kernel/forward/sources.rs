@@ -24,9 +24,11 @@ pub fn forward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>,
         ..
     } = *problem;
     let inputs = ScoreInputs::new(None, None);
+    // The kernel over whole rows of keys: a split's partial outputs would need other shapes.
     let params = problem
         .params()
-        .with_inputs(inputs.mask_dims(), inputs.bias.is_some());
+        .with_inputs(inputs.mask_dims(), inputs.bias.is_some())
+        .with_kv_splits(1);
     let rows = [batch, heads, seq, head_dim];
     let [q, k, v, out] = [(); 4].map(|()| Placeholder::new(rows, dtype));
     let lse = Placeholder::new([batch, heads, seq], F32);
@@ -35,6 +37,9 @@ pub fn forward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>,
         &ForwardProblem {
             dtype,
             batch,
+            heads,
+            seq_q: seq,
+            seq_k: seq,
             head_dim,
             value_dim: head_dim,
             params,

@@ -177,7 +177,7 @@ fn packed_groups_match_the_reference() {
         ),
     ];
     for (seed, (case, splits, packed)) in cases.iter().enumerate() {
-        let adjust = |params: ScoreParams| params.with_pack_groups().with_kv_splits(*splits);
+        let adjust = |params: ScoreParams| params.with_pack_groups(true).with_kv_splits(*splits);
         let params = adjust(params_of(case));
         let group = packed_group(
             case.heads,
@@ -191,7 +191,7 @@ fn packed_groups_match_the_reference() {
     }
     // Top-left, one query sees key 0 only: the rows would need diagonals of their own.
     let top_left = FlashAttentionOptions::causal().with_causal_alignment(CausalAlignment::TopLeft);
-    let params = ScoreParams::new(&top_left, 4, 32, 1, 50).with_pack_groups();
+    let params = ScoreParams::new(&top_left, 4, 32, 1, 50);
     assert_eq!(
         packed_group(4, 2, 1, &ScoreInputs::new(None, None), &params),
         None
