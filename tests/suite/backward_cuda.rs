@@ -24,9 +24,7 @@ use std::time::Instant;
 
 use burn::tensor::module::attention_fallback;
 use burn::tensor::{DType, Device, Distribution, Tensor};
-use burn_flash::{
-    FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention, flash_attention_plan,
-};
+use burn_flash::{FlashAttentionOptions, TilePath, flash_attention, flash_attention_plan};
 use common::cuda::{cuda_device, has_tensor_cores, has_tma};
 use common::{
     Error, Inputs, Problem, Spec, error, random_normal, reference_grads, round_to,
@@ -109,8 +107,10 @@ fn fused_grads(
     // Here a non-deterministic backward means the atomic dQ, whatever the shape's faster one.
     let _atomic = (!deterministic).then(burn_flash::testing::force_atomic_dq);
     let plan = flash_attention_plan(&q, &k, &v, options).map_err(|e| format!("{label}: {e}"))?;
-    if plan != FlashAttentionPlan::Fused(expect) {
-        return Err(format!("{label}: plan is {plan}, expected {expect:?}"));
+    let problem = Problem::cross(1, 1, 1, 1, q.dims()[3]).with_value_dim(v.dims()[3]);
+    let expected = common::expected_fused(expect, &problem);
+    if plan != expected {
+        return Err(format!("{label}: plan is {plan}, expected {expected}"));
     }
     let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
     let grads = (out * upstream).sum().backward();
@@ -224,8 +224,28 @@ fn small_problems() -> Vec<(Problem, Spec)> {
     .collect()
 }
 
+/// Head dims the tensor-core tile runs zero-padded ([`common::padded_head_dim_problems`]), plain
+/// and causal.
+fn padded_problems() -> Vec<(Problem, Spec)> {
+    common::padded_head_dim_problems()
+        .into_iter()
+        .flat_map(|p| [(p, Spec::from(false)), (p, Spec::from(true))])
+        .collect()
+}
+
 /// `deterministic`: dQ by its own launch instead of f32 atomics (forced where not the faster).
 fn check_small(test: &str, dtype: DType, first_seed: u64, deterministic: bool) {
+    check_problems(test, dtype, first_seed, deterministic, small_problems());
+}
+
+/// [`check_small`] on `problems`.
+fn check_problems(
+    test: &str,
+    dtype: DType,
+    first_seed: u64,
+    deterministic: bool,
+    problems: Vec<(Problem, Spec)>,
+) {
     let Some(device) = cuda_device(test) else {
         return;
     };
@@ -233,7 +253,7 @@ fn check_small(test: &str, dtype: DType, first_seed: u64, deterministic: bool) {
     burn_flash::testing::poison_outputs(true);
     let expect = expected_tile(&device, dtype);
     let mut failures = Vec::new();
-    for (index, (problem, spec)) in small_problems().into_iter().enumerate() {
+    for (index, (problem, spec)) in problems.into_iter().enumerate() {
         let seed = first_seed + index as u64;
         let label = format!("{dtype:?} {problem} {spec} seed {seed}");
         let started = Instant::now();
@@ -280,6 +300,19 @@ fn small_shapes_bf16() {
 #[test]
 fn small_shapes_f16_deterministic() {
     check_small("small_shapes_f16_deterministic", DType::F16, 200, true);
+}
+
+/// bf16 gradients at head dims 80, 160, 192, 192/128 and 48, which the tensor-core tile runs
+/// zero-padded: the padded columns' gradients are dropped, the others match the reference.
+#[test]
+fn padded_head_dims_bf16() {
+    check_problems(
+        "padded_head_dims_bf16",
+        DType::BF16,
+        300,
+        false,
+        padded_problems(),
+    );
 }
 
 /// The deterministic backward repeats bit for bit on the tensor cores; for the atomic one the

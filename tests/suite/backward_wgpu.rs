@@ -19,6 +19,13 @@ fn check(problem: Problem, causal: bool, seed: u64) {
     check_mode(problem, causal, seed, false);
 }
 
+/// [`check_mode`] with the head dims zero-padded as the tensor-core tile pads them
+/// ([`burn_flash::testing::pad_head_dims`], this thread only).
+fn check_padded(problem: Problem, causal: bool, seed: u64) {
+    let _padded = burn_flash::testing::pad_head_dims();
+    check_mode(problem, causal, seed, false);
+}
+
 /// The fused gradients of one problem against the reference, dQ by atomics where the runtime
 /// has f32 atomic add (`deterministic` false) or by its own launch.
 fn check_mode(problem: Problem, causal: bool, seed: u64, deterministic: bool) {
@@ -34,9 +41,14 @@ fn check_mode(problem: Problem, causal: bool, seed: u64, deterministic: bool) {
     let options = FlashAttentionOptions::new()
         .with_causal(causal)
         .with_deterministic(deterministic);
+    let expected = if burn_flash::testing::head_dims_padded() {
+        common::padded_plan(TilePath::Portable, &problem)
+    } else {
+        FlashAttentionPlan::Fused(TilePath::Portable)
+    };
     assert_eq!(
         flash_attention_plan(&q, &k, &v, options).unwrap(),
-        FlashAttentionPlan::Fused(TilePath::Portable),
+        expected,
         "{problem}: the fused path must run under autodiff"
     );
     let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
@@ -78,6 +90,16 @@ fn gradients_match_reference() {
         (Problem::cross(1, 2, 20, 37, 256).with_value_dim(32), true),
     ] {
         check(problem, causal, 7 + problem.seq_q as u64);
+    }
+}
+
+/// Head dims the tensor-core tile runs zero-padded (on CUDA, `backward_cuda`), padded here on
+/// the portable tile: the padded columns' gradients are dropped, the others match the
+/// reference.
+#[test]
+fn padded_head_dims_match_reference() {
+    for (index, problem) in common::padded_head_dim_problems().into_iter().enumerate() {
+        check_padded(problem, index % 2 == 1, 800 + index as u64);
     }
 }
 

@@ -36,6 +36,9 @@ enum Expect {
     Portable,
     /// Burn's unfused fallback (a head dim the fused kernel does not support).
     Fallback,
+    /// The fused kernel with the portable tile on head dims zero-padded to the tensor-core
+    /// tile's sizes (under [`burn_flash::testing::pad_head_dims`]).
+    Padded,
     /// Either; only the result is checked.
     Any,
 }
@@ -98,6 +101,10 @@ fn check(case: Case, expect: Expect) -> Result<(), String> {
     let plan_ok = match expect {
         Expect::Portable => plan == FlashAttentionPlan::Fused(TilePath::Portable),
         Expect::Fallback => matches!(plan, FlashAttentionPlan::Fallback(_)),
+        Expect::Padded => {
+            plan == common::padded_plan(TilePath::Portable, &problem)
+                && plan != FlashAttentionPlan::Fused(TilePath::Portable)
+        }
         Expect::Any => true,
     };
     if !plan_ok {
@@ -315,6 +322,19 @@ fn other_head_dims() {
     check_all(&widest, Expect::Portable);
     let any = cases(&[Problem::cross(1, 2, 33, 40, 48)], 510);
     check_all(&any, Expect::Any);
+}
+
+/// Head dims the tensor-core tile runs zero-padded (80, 160, 192, 192/128 and 48; on CUDA,
+/// `forward_cuda`), padded here on the portable tile by the testing hook, which holds for this
+/// thread only: the scale stays that of the unpadded head dim and the padded output columns are
+/// dropped.
+#[test]
+fn padded_head_dims() {
+    let _padded = burn_flash::testing::pad_head_dims();
+    check_all(
+        &cases(&common::padded_head_dim_problems(), 520),
+        Expect::Padded,
+    );
 }
 
 /// The log-sum-exp the backward will need, through `flash_attention_with_lse`: natural log, per

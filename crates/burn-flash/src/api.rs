@@ -11,7 +11,7 @@ use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use crate::backend::{FlashAttentionBackend, FlashAttentionProblem, ScoreInputs};
 use crate::error::FlashAttentionError;
-use crate::kernel::TilePath;
+use crate::kernel::{self, TilePath};
 use crate::options::FlashAttentionOptions;
 use crate::support::flash_attention_support;
 
@@ -31,6 +31,19 @@ use crate::support::flash_attention_support;
 pub enum FlashAttentionPlan {
     /// The fused kernel runs, with this matrix tile.
     Fused(TilePath),
+    /// The fused kernel runs with this tile on inputs whose head dims it is not built for,
+    /// zero-padded to `head_dim` (queries and keys) and `value_dim` (values): the scores and
+    /// the output's first columns are unchanged, the extra columns are dropped, and under
+    /// autodiff the gradients are those of the unpadded inputs. It costs a copy of the inputs
+    /// and the padded columns' work (head dim 80 runs as 96; 160 and 192 as 256).
+    FusedPadded {
+        /// The matrix tile.
+        tile: TilePath,
+        /// The head dim queries and keys are padded to.
+        head_dim: usize,
+        /// The head dim values are padded to.
+        value_dim: usize,
+    },
     /// The fused kernel cannot run these inputs (the reason says why); Burn's unfused
     /// `burn::tensor::module::attention_fallback` runs instead, and the reason is logged once
     /// with `log::warn!`.
@@ -51,7 +64,7 @@ impl FlashAttentionPlan {
     /// assert!(!FlashAttentionPlan::Fallback("head dim 72".into()).is_fused());
     /// ```
     pub fn is_fused(&self) -> bool {
-        matches!(self, Self::Fused(_))
+        matches!(self, Self::Fused(_) | Self::FusedPadded { .. })
     }
 }
 
@@ -60,6 +73,20 @@ impl fmt::Display for FlashAttentionPlan {
         match self {
             Self::Fused(TilePath::TensorCore) => write!(f, "fused kernel (tensor-core tile)"),
             Self::Fused(TilePath::Portable) => write!(f, "fused kernel (portable tile)"),
+            Self::FusedPadded {
+                tile,
+                head_dim,
+                value_dim,
+            } => {
+                let tile = match tile {
+                    TilePath::TensorCore => "tensor-core",
+                    TilePath::Portable => "portable",
+                };
+                write!(
+                    f,
+                    "fused kernel ({tile} tile, head dims zero-padded to {head_dim}/{value_dim})"
+                )
+            }
             Self::Fallback(reason) => write!(f, "unfused fallback ({reason})"),
             Self::Zeros => write!(f, "no launch (the output is zeros or empty)"),
         }
@@ -200,17 +227,7 @@ pub fn flash_attention_with_lse(
         "flash_attention_with_lse: the fused kernel does not run these inputs: {}",
         plan.route
     );
-    let forward = <Dispatch as FlashAttentionBackend>::flash_attention_forward(
-        q.into_dispatch(),
-        k.into_dispatch(),
-        v.into_dispatch(),
-        ScoreInputs::Neither,
-        options,
-    );
-    (
-        Tensor::from_dispatch(forward.output),
-        Tensor::from_dispatch(forward.lse),
-    )
+    fused(q, k, v, ScoreInputs::Neither, options, &plan.route)
 }
 
 /// Which (query, key) pairs a boolean mask hides: `true` hides the pair, as in Burn's
@@ -358,19 +375,12 @@ pub fn try_flash_attention_masked(
     };
 
     Ok(match route {
-        FlashAttentionPlan::Fused(_) => {
+        FlashAttentionPlan::Fused(_) | FlashAttentionPlan::FusedPadded { .. } => {
             let inputs = ScoreInputs::new(
                 mask.map(Tensor::into_dispatch),
                 bias.map(Tensor::into_dispatch),
             );
-            let forward = <Dispatch as FlashAttentionBackend>::flash_attention_forward(
-                q.into_dispatch(),
-                k.into_dispatch(),
-                v.into_dispatch(),
-                inputs,
-                options,
-            );
-            Tensor::from_dispatch(forward.output)
+            fused(q, k, v, inputs, options, &route).0
         }
         FlashAttentionPlan::Fallback(reason) => {
             warn_once(&reason);
@@ -378,6 +388,55 @@ pub fn try_flash_attention_masked(
         }
         FlashAttentionPlan::Zeros => unreachable!("returned above"),
     })
+}
+
+/// The fused forward's output and log-sum-exp, on head dims zero-padded where `route` says
+/// (the output's padded columns dropped).
+fn fused(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    inputs: ScoreInputs<Dispatch>,
+    options: FlashAttentionOptions,
+    route: &FlashAttentionPlan,
+) -> (Tensor<4>, Tensor<3>) {
+    let value_dim = v.dims()[3];
+    let (q, k, v) = match *route {
+        FlashAttentionPlan::FusedPadded {
+            head_dim,
+            value_dim: padded_value_dim,
+            ..
+        } => (
+            pad_columns(q, head_dim),
+            pad_columns(k, head_dim),
+            pad_columns(v, padded_value_dim),
+        ),
+        _ => (q, k, v),
+    };
+    let forward = <Dispatch as FlashAttentionBackend>::flash_attention_forward(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        inputs,
+        options,
+    );
+    let output = Tensor::<4>::from_dispatch(forward.output);
+    let output = if output.dims()[3] == value_dim {
+        output
+    } else {
+        output.narrow(3, 0, value_dim)
+    };
+    (output, Tensor::from_dispatch(forward.lse))
+}
+
+/// `x` with zero columns appended up to `dim`.
+fn pad_columns(x: Tensor<4>, dim: usize) -> Tensor<4> {
+    let [batch, heads, seq, columns] = x.dims();
+    if columns == dim {
+        return x;
+    }
+    let zeros = Tensor::zeros([batch, heads, seq, dim - columns], (&x.device(), x.dtype()));
+    Tensor::cat(vec![x, zeros], 3)
 }
 
 /// The mask as the kernels take it, `[batch|1, heads|1, seq_q|1, seq_k]`, once its shape and
@@ -678,17 +737,51 @@ fn plan(
         scale = 1.0;
     }
 
-    let route = match flash_attention_support(&q.device(), &problem) {
-        Ok(tile) => FlashAttentionPlan::Fused(tile),
-        Err(reason) if options.dropout.is_some_and(|d| d.is_active()) => {
-            return Err(FlashAttentionError::DropoutUnsupported(reason));
-        }
-        Err(reason) => FlashAttentionPlan::Fallback(reason),
+    let device = q.device();
+    let forced_padding = crate::testing::head_dims_padded();
+    let route = match flash_attention_support(&device, &problem) {
+        Ok(tile) if !forced_padding => FlashAttentionPlan::Fused(tile),
+        supported => match padded(&device, &problem, forced_padding) {
+            Some(route) => route,
+            None => match supported {
+                Ok(tile) => FlashAttentionPlan::Fused(tile),
+                Err(reason) if options.dropout.is_some_and(|d| d.is_active()) => {
+                    return Err(FlashAttentionError::DropoutUnsupported(reason));
+                }
+                Err(reason) => FlashAttentionPlan::Fallback(reason),
+            },
+        },
     };
     Ok(Plan {
         problem,
         scale,
         route,
+    })
+}
+
+/// The padded route of a problem whose head dims the tensor-core tile is not built for: the
+/// smallest dims of the tile that hold them, where the tensor-core tile runs those (on any tile
+/// while a [`pad_head_dims`](crate::testing::pad_head_dims) guard lives, `forced`).
+fn padded(
+    device: &Device,
+    problem: &FlashAttentionProblem,
+    forced: bool,
+) -> Option<FlashAttentionPlan> {
+    let head_dim = kernel::tensor_core_dim(problem.head_dim)?;
+    let value_dim = kernel::tensor_core_dim(problem.value_dim)?;
+    if (head_dim, value_dim) == (problem.head_dim, problem.value_dim) {
+        return None;
+    }
+    let padded = FlashAttentionProblem {
+        head_dim,
+        value_dim,
+        ..*problem
+    };
+    let tile = flash_attention_support(device, &padded).ok()?;
+    (forced || tile == TilePath::TensorCore).then_some(FlashAttentionPlan::FusedPadded {
+        tile,
+        head_dim,
+        value_dim,
     })
 }
 

@@ -216,3 +216,54 @@ pub fn tail_splits() -> usize {
 pub(crate) fn record_tail_split() {
     TAIL_SPLITS.fetch_add(1, Ordering::Relaxed);
 }
+
+thread_local! {
+    static PADDED_HEAD_DIMS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// While the returned guard lives, attention calls made on this thread pad head dims the
+/// tensor-core tile is not built for ([`FlashAttentionPlan::FusedPadded`]) on any tile, so that
+/// the padding is tested where the portable tile would run them as they are (wgpu). Other
+/// threads are not affected.
+///
+/// [`FlashAttentionPlan::FusedPadded`]: crate::FlashAttentionPlan::FusedPadded
+///
+/// # Example
+///
+/// ```
+/// let padded = burn_flash::testing::pad_head_dims();
+/// // ... head dim 80 runs zero-padded to 96 on this thread ...
+/// drop(padded);
+/// ```
+#[must_use = "head dims are padded only while the guard lives"]
+pub fn pad_head_dims() -> PaddedHeadDims {
+    PADDED_HEAD_DIMS.with(|count| count.set(count.get() + 1));
+    PaddedHeadDims {
+        _thread: std::marker::PhantomData,
+    }
+}
+
+/// Guard of [`pad_head_dims`]; it stays on the thread that made it.
+pub struct PaddedHeadDims {
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for PaddedHeadDims {
+    fn drop(&mut self) {
+        PADDED_HEAD_DIMS.with(|count| count.set(count.get() - 1));
+    }
+}
+
+/// Whether a [`pad_head_dims`] guard lives on this thread.
+///
+/// # Example
+///
+/// ```
+/// let padded = burn_flash::testing::pad_head_dims();
+/// assert!(burn_flash::testing::head_dims_padded());
+/// drop(padded);
+/// assert!(!burn_flash::testing::head_dims_padded());
+/// ```
+pub fn head_dims_padded() -> bool {
+    PADDED_HEAD_DIMS.with(|count| count.get() > 0)
+}

@@ -11,6 +11,7 @@
 pub mod cuda;
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_flash::{FlashAttentionPlan, TilePath};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -349,6 +350,48 @@ pub fn head_dim_problems() -> Vec<Problem> {
         Problem::cross(1, 2, 90, 70, 128).with_value_dim(64),
         Problem::square(1, 1, 100, 96).with_value_dim(32),
     ]
+}
+
+/// Head dims the tensor-core tile is not built for, which the plan zero-pads to its next size
+/// on the tensor cores (80 to 96, 160 and 192 to 256, 48 to 64), with values of another width
+/// (192/128, as DeepSeek's attention) and grouped heads.
+pub fn padded_head_dim_problems() -> Vec<Problem> {
+    vec![
+        Problem::cross(1, 2, 65, 130, 80),
+        Problem::square(1, 4, 100, 80).grouped(2),
+        Problem::cross(1, 2, 90, 70, 160),
+        Problem::square(1, 2, 77, 192),
+        Problem::cross(1, 2, 70, 90, 192).with_value_dim(128),
+        Problem::cross(1, 2, 33, 40, 48),
+    ]
+}
+
+/// The plan a problem must get on a GPU whose bf16/f16 tile is `tile`: the tensor-core tile
+/// zero-pads head dims it is not built for to its next size; the portable tile runs them.
+pub fn expected_fused(tile: TilePath, problem: &Problem) -> FlashAttentionPlan {
+    match tile {
+        TilePath::TensorCore => padded_plan(tile, problem),
+        TilePath::Portable => FlashAttentionPlan::Fused(tile),
+    }
+}
+
+/// The fused plan on `tile` with the head dims zero-padded to the tensor-core tile's next
+/// sizes (32, 64, 96, 128, 256) where they are not such a size already.
+pub fn padded_plan(tile: TilePath, problem: &Problem) -> FlashAttentionPlan {
+    const TENSOR_CORE_DIMS: [usize; 5] = [32, 64, 96, 128, 256];
+    let next = |dim: usize| TENSOR_CORE_DIMS.into_iter().find(|&size| size >= dim);
+    match (next(problem.head_dim), next(problem.value_dim)) {
+        (Some(head_dim), Some(value_dim))
+            if (head_dim, value_dim) != (problem.head_dim, problem.value_dim) =>
+        {
+            FlashAttentionPlan::FusedPadded {
+                tile,
+                head_dim,
+                value_dim,
+            }
+        }
+        _ => FlashAttentionPlan::Fused(tile),
+    }
 }
 
 /// The feature cases the CUDA suites run at tensor-core head dims (the lavapipe suite,

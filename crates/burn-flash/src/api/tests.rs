@@ -218,3 +218,33 @@ fn flash_attention_panics_with_the_error_message() {
     let k = Tensor::<4>::zeros([1, 1, 2, 8], &device);
     flash_attention(q, k.clone(), k, FlashAttentionOptions::default());
 }
+
+/// `flash_attention_with_lse` on head dims it pads (forced on the portable tile here): the
+/// output keeps the value head dim, and output and log-sum-exp are those of the unpadded call
+/// (the padded columns add zeros to every score), not those of a head dim 64 scale.
+#[test]
+fn padded_head_dims_keep_the_output_and_lse() {
+    let device = wgpu();
+    let (q, k, v) = (
+        random([1, 2, 9, 48], &device),
+        random([1, 2, 21, 48], &device),
+        random([1, 2, 21, 24], &device),
+    );
+    let options = FlashAttentionOptions::causal();
+    let (out, lse) = flash_attention_with_lse(q.clone(), k.clone(), v.clone(), options);
+    let padded = crate::testing::pad_head_dims();
+    assert_eq!(
+        flash_attention_plan(&q, &k, &v, options).unwrap(),
+        FlashAttentionPlan::FusedPadded {
+            tile: TilePath::Portable,
+            head_dim: 64,
+            value_dim: 32
+        }
+    );
+    let (padded_out, padded_lse) = flash_attention_with_lse(q, k, v, options);
+    drop(padded);
+    assert_eq!(padded_out.dims(), [1, 2, 9, 24]);
+    assert!(max_diff(padded_out, out) < 1e-5);
+    let lse_diff: f32 = (padded_lse - lse).abs().max().into_scalar();
+    assert!(lse_diff < 1e-5, "log-sum-exp differs by {lse_diff}");
+}

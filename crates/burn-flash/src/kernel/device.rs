@@ -17,6 +17,13 @@ const PORTABLE_MAX_DIM: usize = 256;
 /// takes 32 columns per step of its loop, and its blocks are tuned per head dim.
 pub const TENSOR_CORE_DIMS: [usize; 5] = [32, 64, 96, 128, 256];
 
+/// The smallest head dim of the tensor-core tile that holds `dim` columns, if any.
+pub fn tensor_core_dim(dim: usize) -> Option<usize> {
+    TENSOR_CORE_DIMS
+        .into_iter()
+        .find(|&tile_dim| tile_dim >= dim)
+}
+
 /// The device's features that decide a launch, for one input dtype.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceCaps {

@@ -33,5 +33,6 @@ mod tests;
 
 pub use backward::{Grads, backward, backward_support};
 pub use config::{ScoreParams, TilePath};
+pub use device::tensor_core_dim;
 pub use forward::{forward, support};
 pub use tensors::{KernelTensor, ScoreInputs};
