@@ -3,6 +3,8 @@
 //!
 //! - `forward_wgpu`, `backward_wgpu`, `features_wgpu`, `nn_wgpu`: the portable tile on a wgpu
 //!   device (lavapipe in CI), f32, against the f64 reference of `common`.
+//! - `cache`: `KvCache` decoding sessions, on wgpu and, with feature `cuda`, on the tensor-core
+//!   tile.
 //! - `masks`: boolean masks and additive biases, on wgpu (f32, portable tile) and, with feature
 //!   `cuda`, on the tensor-core tile.
 //! - `reliability`: random shapes and options, extreme logits, non-finite inputs and concurrent
@@ -19,6 +21,7 @@ mod common;
 
 mod backward_cuda;
 mod backward_wgpu;
+mod cache;
 mod features_wgpu;
 mod forward_cuda;
 mod forward_wgpu;

@@ -120,6 +120,35 @@ pub enum FlashAttentionError {
         /// The device of the input.
         got: String,
     },
+    /// New keys or values for a [`KvCache`](crate::KvCache) are not `[batch, kv_heads, n, dim]`
+    /// of the cache.
+    CacheShape {
+        /// `"keys"` or `"values"`.
+        input: &'static str,
+        /// The shape they must have.
+        expected: Vec<usize>,
+        /// Their shape.
+        got: Vec<usize>,
+    },
+    /// New keys or values for a [`KvCache`](crate::KvCache) have another dtype or device than
+    /// the cache (as text: dtype on device).
+    CacheInput {
+        /// `"keys"` or `"values"`.
+        input: &'static str,
+        /// The cache's dtype and device.
+        expected: String,
+        /// Theirs.
+        got: String,
+    },
+    /// A [`KvCache`](crate::KvCache)'s sequence would outgrow its capacity.
+    CacheFull {
+        /// Positions each sequence holds.
+        capacity: usize,
+        /// Positions the longest sequence would need.
+        needed: usize,
+    },
+    /// An option a [`KvCache`](crate::KvCache) cannot apply to its sequences (what and why).
+    CacheOptions(String),
 }
 
 impl fmt::Display for FlashAttentionError {
@@ -185,6 +214,30 @@ impl fmt::Display for FlashAttentionError {
                 f,
                 "the {input} must be on the device of q, k and v ({expected}), got {got}"
             ),
+            Self::CacheShape {
+                input,
+                expected,
+                got,
+            } => write!(
+                f,
+                "the new {input} of a cache must be {expected:?} ([batch, kv_heads, n, dim]), \
+                 got {got:?}"
+            ),
+            Self::CacheInput {
+                input,
+                expected,
+                got,
+            } => write!(
+                f,
+                "the new {input} of a cache must be {expected}, as the cache, got {got}"
+            ),
+            Self::CacheFull { capacity, needed } => write!(
+                f,
+                "the cache holds {capacity} positions per sequence, {needed} are needed"
+            ),
+            Self::CacheOptions(what) => {
+                write!(f, "a key/value cache cannot apply {what}")
+            }
         }
     }
 }

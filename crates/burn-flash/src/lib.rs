@@ -39,6 +39,7 @@
 
 mod api;
 mod backend;
+mod cache;
 mod backends {
     mod autodiff;
     mod cube;
@@ -61,6 +62,7 @@ pub use backend::{
     BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads,
     FlashAttentionProblem, ScoreInputs,
 };
+pub use cache::KvCache;
 pub use error::FlashAttentionError;
 pub use kernel::TilePath;
 pub use options::{

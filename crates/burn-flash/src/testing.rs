@@ -152,6 +152,26 @@ pub(crate) fn record_tma_launch() {
     TMA_STAGED.fetch_add(1, Ordering::Relaxed);
 }
 
+static VIEWS_IN_PLACE: AtomicUsize = AtomicUsize::new(0);
+
+/// How many non-contiguous key and value inputs (views, such as a cache's filled prefix) the
+/// forwards of this process have read in place, without a copy, so tests can tell that a view
+/// reached the kernel as one.
+///
+/// # Example
+///
+/// ```
+/// assert_eq!(burn_flash::testing::views_read_in_place(), 0); // no attention ran yet
+/// ```
+pub fn views_read_in_place() -> usize {
+    VIEWS_IN_PLACE.load(Ordering::Relaxed)
+}
+
+/// Counts one input for [`views_read_in_place`].
+pub(crate) fn record_view_in_place() {
+    VIEWS_IN_PLACE.fetch_add(1, Ordering::Relaxed);
+}
+
 /// The slot count [`tail_slots`] forces; `usize::MAX` while none is.
 static FORCED_TAIL_SLOTS: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// Held by the live [`tail_slots`] guard, so that two never overlap.

@@ -248,3 +248,22 @@ fn padded_head_dims_keep_the_output_and_lse() {
     let lse_diff: f32 = (padded_lse - lse).abs().max().into_scalar();
     assert!(lse_diff < 1e-5, "log-sum-exp differs by {lse_diff}");
 }
+
+/// Keys and values that are a prefix of longer sequences (the filled part of a cache) reach
+/// the kernel as views and are read in place, without a copy.
+#[test]
+fn cache_prefixes_are_read_in_place() {
+    let device = wgpu();
+    device.seed(11);
+    let q = random([2, 2, 3, 32], &device);
+    let cache = |dim| random([2, 2, 64, dim], &device);
+    let (k_cache, v_cache) = (cache(32), cache(16));
+    let k = k_cache.slice([0..2, 0..2, 0..40]);
+    let v = v_cache.slice([0..2, 0..2, 0..40]);
+    let options = FlashAttentionOptions::causal();
+    let expected = attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options.into());
+    let views = crate::testing::views_read_in_place();
+    let got = flash_attention(q, k, v, options);
+    assert!(max_diff(got, expected) < 1e-4);
+    assert_eq!(crate::testing::views_read_in_place(), views + 2);
+}

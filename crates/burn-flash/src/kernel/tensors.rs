@@ -167,6 +167,23 @@ impl KernelTensor {
         Self::new(self.client, self.handle, shape, strides, self.dtype)
     }
 
+    /// This `[b, h, seq, dim]` tensor read in place where each head's rows lie one after the
+    /// other, whatever lies between heads and batches (a prefix of a longer sequence, as the
+    /// filled part of a key/value cache), with its start and strides whole 16-byte units (the
+    /// stages' copies and tensor maps); else a contiguous copy.
+    pub fn into_head_rows(self) -> Self {
+        let (shape, strides) = (self.meta.shape(), self.meta.strides());
+        let head_rows = strides[3] == 1 && (shape[2] <= 1 || strides[2] == shape[3]);
+        if head_rows && tma_aligned(&self) {
+            if !self.is_contiguous() {
+                crate::testing::record_view_in_place();
+            }
+            self
+        } else {
+            self.into_contiguous()
+        }
+    }
+
     /// This tensor, copied into a contiguous one where it is not.
     pub fn into_contiguous(self) -> Self {
         if self.is_contiguous() {

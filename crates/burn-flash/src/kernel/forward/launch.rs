@@ -44,11 +44,9 @@ pub fn forward(
     inputs: ScoreInputs,
     params: ScoreParams,
 ) -> (KernelTensor, KernelTensor) {
-    let (q, k, v) = (
-        q.into_contiguous(),
-        k.into_contiguous(),
-        v.into_contiguous(),
-    );
+    // Keys and values are read in place where each head's rows are contiguous: a cache's
+    // filled prefix is not copied on every call.
+    let (q, k, v) = (q.into_contiguous(), k.into_head_rows(), v.into_head_rows());
     let params = params.with_inputs(inputs.mask_dims(), inputs.bias.is_some());
     let dims = q.meta.shape().clone();
     let (batch, heads, seq_q, head_dim) = (dims[0], dims[1], dims[2], dims[3]);
