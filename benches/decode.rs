@@ -12,6 +12,10 @@
 //! cargo bench --bench decode -- --help
 //! ```
 //!
+//! `--cache-slack N` draws the keys and values as the first `sk` positions of buffers `N`
+//! longer, as a `KvCache`'s filled part, which burn-flash reads in place (stderr counts the
+//! views it read so).
+//!
 //! Decoding is bound by memory: GB/s counts the bytes a call cannot avoid moving, the cache's
 //! keys and values once per key/value head plus the queries and the output, over the call's
 //! time; compare it with the card's bandwidth (4.8 TB/s on an H200, 3.35 on an H100 SXM).
@@ -32,7 +36,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use burn::tensor::module::{attention, attention_fallback};
-use burn::tensor::{DType, Device, Distribution, Tensor};
+use burn::tensor::{DType, Device, Distribution, Tensor, s};
 use burn_flash::{FlashAttentionOptions, flash_attention, flash_attention_plan};
 use clap::Parser;
 use clap::builder::RangedU64ValueParser;
@@ -85,6 +89,10 @@ struct Args {
     /// Skip shapes whose keys and values take more than this.
     #[arg(long, value_name = "GIB", default_value_t = 32.0)]
     max_cache_gib: f64,
+    /// Keys and values as the first `sk` positions of buffers this many positions longer, as a
+    /// `KvCache`'s filled part (views, read in place by burn-flash); 0: tensors of their own.
+    #[arg(long, default_value_t = 0)]
+    cache_slack: usize,
 }
 
 /// One call of `imp`, the causal mask aligned bottom-right.
@@ -164,10 +172,11 @@ fn time_row(
     let ms = median_ms(&mut samples);
     // Where a row's time goes: compiles and autotune in the first call, the rest timing.
     eprintln!(
-        "  {}: first call {:.1} s, row {:.1} s",
+        "  {}: first call {:.1} s, row {:.1} s; key/value views read in place so far: {}",
         name(imp),
         first.as_secs_f64(),
-        started.elapsed().as_secs_f64()
+        started.elapsed().as_secs_f64(),
+        burn_flash::testing::views_read_in_place()
     );
     if ms > 0.0 { ms } else { f64::NAN }
 }
@@ -209,7 +218,8 @@ fn main() {
                     sk,
                     d,
                 };
-                let cache_gib = (2 * b * hkv * sk * d * elem) as f64 / (1u64 << 30) as f64;
+                let cache_gib =
+                    (2 * b * hkv * (sk + args.cache_slack) * d * elem) as f64 / (1u64 << 30) as f64;
                 if cache_gib > args.max_cache_gib {
                     println!("# {shape:?}: cache {cache_gib:.1} GiB over --max-cache-gib, skipped");
                     continue;
@@ -219,7 +229,11 @@ fn main() {
                         .cast(dtype)
                 };
                 let drawn = Instant::now();
-                let inputs = [random(hq, args.sq), random(hkv, sk), random(hkv, sk)];
+                let cached = || {
+                    let buffer = random(hkv, sk + args.cache_slack);
+                    buffer.slice(s![.., .., 0..sk])
+                };
+                let inputs = [random(hq, args.sq), cached(), cached()];
                 device.sync().expect("device sync");
                 let drawn = drawn.elapsed();
                 let [q, k, v] = &inputs;
