@@ -39,7 +39,7 @@ if [ "${1:-}" = gpt ]; then
 fi
 rm -f .gpu/test-* .gpu/bench-*
 # The suite's one test binary (its CUDA tests are the modules `forward_cuda`, `backward_cuda`
-# and the CUDA halves of `masks` and `reliability`).
+# and the CUDA halves of `cache`, `masks` and `reliability`).
 cargo test --release --features cuda --test suite --no-run --message-format json \
   | executables test | while read -r name exe; do cp "$exe" ".gpu/test-$name"; done
 # `cargo build --release` rather than `cargo bench`: the bench profile would build every
