@@ -26,6 +26,8 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, Int, Tensor};
 
 use crate::api::{AttentionMask, burn_attention, flash_attention_masked};
+use crate::cache::KvCache;
+use crate::error::FlashAttentionError;
 use crate::options::{AttentionWindow, FlashAttentionOptions};
 
 /// Which implementation computes the attention inside [`FlashMultiHeadAttention`]. All three
@@ -375,6 +377,50 @@ impl FlashMultiHeadAttention {
                 unfused_with_dropout(q, k, v, m, b, o, prob)
             }),
         }
+    }
+
+    /// Self-attention of the newest positions `x: [batch, n, d_model]` of each sequence over
+    /// its earlier ones in `cache` and themselves: their keys and values are appended to the
+    /// cache, then their queries attend over each sequence's filled part ([`KvCache::attend`],
+    /// with this module's options: causal per sequence where the module is causal). Returns
+    /// `[batch, n, d_model]`: what [`forward_self`](Self::forward_self) of the whole sequences
+    /// gives at those positions, without recomputing the earlier ones. Always the fused kernel
+    /// (the cache is its input), whatever [`kernel`](Self::kernel) says.
+    ///
+    /// # Errors
+    ///
+    /// Those of [`KvCache::append`] and [`KvCache::attend`]: a cache of another batch, heads,
+    /// head dim, dtype or device than this module's projections give, or one that is full.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use burn::tensor::{DType, Device, Distribution, Tensor};
+    /// use burn_flash::KvCache;
+    /// use burn_flash::nn::FlashMultiHeadAttentionConfig;
+    ///
+    /// let device = Device::wgpu(Default::default());
+    /// let attention = FlashMultiHeadAttentionConfig::new(256, 8).with_causal(true).init(&device);
+    /// let mut cache = KvCache::new([1, 8, 512, 32], 32, DType::F32, &device);
+    /// let prompt = Tensor::<3>::random([1, 20, 256], Distribution::Normal(0.0, 1.0), &device);
+    /// let _ = attention.forward_cached(prompt, &mut cache).unwrap();
+    /// let next = Tensor::<3>::random([1, 1, 256], Distribution::Normal(0.0, 1.0), &device);
+    /// let y = attention.forward_cached(next, &mut cache).unwrap(); // [1, 1, 256]
+    /// ```
+    pub fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<3>, FlashAttentionError> {
+        let [batch, n, _] = x.dims();
+        let q = self.split_heads(self.query.forward(x.clone()), self.n_heads);
+        let k = self.split_heads(self.key.forward(x.clone()), self.n_kv_heads);
+        let v = self.split_heads(self.value.forward(x), self.n_kv_heads);
+        let context = cache
+            .append_and_attend(q, k, v, self.options)?
+            .swap_dims(1, 2)
+            .reshape([batch, n, self.d_model]);
+        Ok(self.output.forward(context))
     }
 
     /// `[batch, seq, heads · d_k]` to `[batch, heads, seq, d_k]`.

@@ -359,6 +359,9 @@ fn train_on(args: &Args, devices: &[Device], name: &str) -> Result<(), String> {
         .map_err(|e| format!("writing the loss curve: {e}"))?;
 
     println!("\nsample:\n{}\n", report.sample);
+    if let Some(rate) = report.generation_tokens_per_second {
+        println!("generation: {rate:.1} tokens/s, one at a time through key/value caches");
+    }
     println!(
         "summary: {name} x{} {dtype:?} attention {kernel:?} | {} steps x {} tokens in {:.1} s | {} tokens/s (steps {}..) | \
          peak reserved {} per device | train loss {:.4} -> {:.4} | val loss {:.4} -> {:.4}",

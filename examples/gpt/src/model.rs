@@ -10,6 +10,7 @@ use burn::nn::{
 };
 use burn::tensor::{DType, Device, Int, Tensor};
 use burn_flash::nn::{AttentionKernel, FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
+use burn_flash::{FlashAttentionError, KvCache};
 
 /// GPT-2's initialisation of embeddings and projections.
 const INIT: Initializer = Initializer::Normal {
@@ -114,7 +115,11 @@ impl Gpt {
         for block in &self.blocks {
             x = block.forward(x);
         }
-        let x = self.norm.forward(x);
+        self.logits(self.norm.forward(x))
+    }
+
+    /// The head on the final norm's output `x: [batch, seq, d_model]`.
+    fn logits(&self, x: Tensor<3>) -> Tensor<3> {
         // The head is the token embedding, transposed, and computes in f32: the logits feed an
         // f32 softmax, and in bf16 or f16 on Hopper Burn 0.23.0-pre.1 fails a product with at
         // least 4× more rows than columns (context >= 4 × vocab): its matmul autotune tries a
@@ -128,6 +133,44 @@ impl Gpt {
             .transpose()
             .unsqueeze::<3>();
         x.cast(DType::F32).matmul(head)
+    }
+
+    /// Next-token logits `[batch, n, vocab]` of the newest tokens `[batch, n]` of each sequence,
+    /// at positions `start..start + n`, through `caches` (one per block, from
+    /// [`caches`](Self::caches)) that hold the earlier positions' keys and values and take the
+    /// new ones: decoding without recomputing the earlier positions. `start + n <= context`.
+    pub fn forward_cached(
+        &self,
+        tokens: Tensor<2, Int>,
+        start: usize,
+        caches: &mut [KvCache],
+    ) -> Result<Tensor<3>, FlashAttentionError> {
+        let [_, n] = tokens.dims();
+        let device = tokens.device();
+        let positions =
+            Tensor::<1, Int>::arange(start as i64..(start + n) as i64, &device).unsqueeze::<2>();
+        let mut x = self.tokens.forward(tokens) + self.positions.forward(positions);
+        for (block, cache) in self.blocks.iter().zip(caches) {
+            x = block.forward_cached(x, cache)?;
+        }
+        Ok(self.logits(self.norm.forward(x)))
+    }
+
+    /// Empty key/value caches for [`forward_cached`](Self::forward_cached): one per block, for
+    /// `batch` sequences of up to `context` positions, in the model's dtype.
+    pub fn caches(&self, batch: usize, device: &Device) -> Vec<KvCache> {
+        self.blocks
+            .iter()
+            .map(|block| {
+                let attention = &block.attention;
+                KvCache::new(
+                    [batch, attention.n_kv_heads, self.context(), attention.d_k],
+                    attention.d_k,
+                    self.dtype(),
+                    device,
+                )
+            })
+            .collect()
     }
 
     /// Mean cross-entropy of predicting `targets` (`[batch, seq]`) from `inputs`.
@@ -171,7 +214,23 @@ impl Block {
         let attended = self
             .attention
             .forward_self(self.attention_norm.forward(x.clone()));
-        let x = x + self.dropout.forward(attended);
+        self.mlp(x + self.dropout.forward(attended))
+    }
+
+    /// [`forward`](Self::forward) of the newest positions, the earlier ones in `cache`.
+    fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<3>, FlashAttentionError> {
+        let attended = self
+            .attention
+            .forward_cached(self.attention_norm.forward(x.clone()), cache)?;
+        Ok(self.mlp(x + attended))
+    }
+
+    /// The MLP half, residual included.
+    fn mlp(&self, x: Tensor<3>) -> Tensor<3> {
         let h = self.mlp_in.forward(self.mlp_norm.forward(x.clone()));
         x + self
             .dropout
@@ -185,5 +244,47 @@ struct Cast(DType);
 impl ModuleMapper for Cast {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         param.map(|tensor| tensor.cast(self.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::TensorData;
+
+    /// The cached path gives the logits of the whole-sequence forward: a prompt of 5 tokens,
+    /// then 3 tokens one at a time, against the forward of all 8 at once.
+    #[test]
+    fn cached_decoding_gives_the_forward_logits() {
+        let device = Device::wgpu(Default::default());
+        let model = GptConfig::new(256, 16, 2, 32, 2).init(&device);
+        let tokens: Vec<i32> = vec![72, 101, 108, 108, 111, 32, 119, 111];
+        let all = Tensor::<2, Int>::from_data(TensorData::new(tokens.clone(), [1, 8]), &device);
+        let expected = model.forward(all).into_data().try_to_vec::<f32>().unwrap();
+
+        let mut caches = model.caches(1, &device);
+        let input = |range: std::ops::Range<usize>| {
+            let part = tokens[range.clone()].to_vec();
+            Tensor::<2, Int>::from_data(TensorData::new(part, [1, range.len()]), &device)
+        };
+        let mut got = model
+            .forward_cached(input(0..5), 0, &mut caches)
+            .unwrap()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        for position in 5..8 {
+            let step = model
+                .forward_cached(input(position..position + 1), position, &mut caches)
+                .unwrap();
+            got.extend(step.into_data().try_to_vec::<f32>().unwrap());
+        }
+        assert_eq!(caches[0].lengths(), &[8]);
+        let worst = got
+            .iter()
+            .zip(&expected)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-4, "cached logits differ by up to {worst}");
     }
 }

@@ -12,6 +12,7 @@ use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams, MultiGradientsParams};
 use burn::tensor::activation::softmax;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn_flash::KvCache;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -97,6 +98,9 @@ pub struct Report {
     pub peak_reserved: Option<u64>,
     /// `prompt` continued by the trained model.
     pub sample: String,
+    /// Bytes the sample's generation produced per second, one at a time through key/value
+    /// caches (sampling on the host included), if it produced any so.
+    pub generation_tokens_per_second: Option<f64>,
 }
 
 /// Train `model` on windows of `train_text`, validating on `val_text`, on `devices` (autodiff
@@ -195,7 +199,7 @@ pub fn train(
     }
     progress.finish();
 
-    let sample = generate(
+    let (sample, generation_tokens_per_second) = generate(
         &gathered(&model),
         &s.prompt,
         s.sample_len,
@@ -211,6 +215,7 @@ pub fn train(
         train_time,
         peak_reserved,
         sample,
+        generation_tokens_per_second,
     })
 }
 
@@ -280,26 +285,54 @@ fn evaluate(model: &Gpt, batches: &[Batch], device: &Device) -> f64 {
     total / batches.len() as f64
 }
 
-/// `prompt` continued by `len` bytes, each sampled from the model's softmax (temperature 1).
-fn generate(model: &Gpt, prompt: &str, len: usize, seed: u64, device: &Device) -> String {
+/// `prompt` continued by `len` bytes, each sampled from the model's softmax (temperature 1),
+/// through key/value caches: the window (the prompt's end, left-padded with newlines to half
+/// the context) is run once, then each new byte alone at the next position; when the positions
+/// run out, the last half context is run again into emptied caches. Returns the text and the
+/// generation's bytes per second (the single-byte steps, sampling on the host included).
+fn generate(
+    model: &Gpt,
+    prompt: &str,
+    len: usize,
+    seed: u64,
+    device: &Device,
+) -> (String, Option<f64>) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut tokens: Vec<i32> = prompt.bytes().map(i32::from).collect();
     let context = model.context();
+    let window = (context / 2).max(1);
+    let mut caches = model.caches(1, device);
+    let mut position = 0;
+    let mut primed = false;
+    let (mut stepped, mut stepping) = (0, Duration::ZERO);
     for _ in 0..len {
-        // Always a full window (left-padded with newlines): each new shape compiles kernels.
-        let recent = &tokens[tokens.len().saturating_sub(context)..];
-        let mut window = vec![i32::from(b'\n'); context - recent.len()];
-        window.extend_from_slice(recent);
-        let input = Tensor::<2, Int>::from_data(TensorData::new(window, [1, context]), device);
-        let logits = model.forward(input);
-        let [_, seq, vocab] = logits.dims();
-        let last = logits
-            .slice([0..1, seq - 1..seq, 0..vocab])
-            .reshape([vocab]);
+        let started = Instant::now();
+        let single = primed && position < context;
+        let next = if single {
+            // The last sampled byte at the next position.
+            let last = &tokens[tokens.len() - 1..];
+            let input = Tensor::<2, Int>::from_data(TensorData::new(last.to_vec(), [1, 1]), device);
+            let out = model.forward_cached(input, position, &mut caches);
+            position += 1;
+            out
+        } else {
+            // The window: always as long, so that its kernels compile once.
+            let recent = &tokens[tokens.len().saturating_sub(window)..];
+            let mut padded = vec![i32::from(b'\n'); window - recent.len()];
+            padded.extend_from_slice(recent);
+            caches.iter_mut().for_each(KvCache::clear);
+            let input = Tensor::<2, Int>::from_data(TensorData::new(padded, [1, window]), device);
+            position = window;
+            model.forward_cached(input, 0, &mut caches)
+        };
+        let next = next.expect("the caches hold the context");
+        let [_, seq, vocab] = next.dims();
+        let last = next.slice([0..1, seq - 1..seq, 0..vocab]).reshape([vocab]);
         let probs = softmax(last, 0)
             .into_data()
             .try_into_vec_as::<f32>()
             .expect("probabilities as f32");
+        primed = true;
         let mut u = rng.random::<f32>();
         let token = probs
             .iter()
@@ -309,9 +342,14 @@ fn generate(model: &Gpt, prompt: &str, len: usize, seed: u64, device: &Device) -
             })
             .unwrap_or(vocab - 1);
         tokens.push(token as i32);
+        if single {
+            stepped += 1;
+            stepping += started.elapsed();
+        }
     }
     let bytes: Vec<u8> = tokens.iter().map(|&t| t as u8).collect();
-    decode(&bytes)
+    let rate = (stepped > 0).then(|| stepped as f64 / stepping.as_secs_f64());
+    (decode(&bytes), rate)
 }
 
 /// Progress on stderr: an indicatif bar redrawn in place on a terminal; otherwise (logs of CI
