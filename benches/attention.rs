@@ -190,6 +190,12 @@ struct Args {
     /// implementation per shape.
     #[arg(long)]
     memory: bool,
+    /// With `fwdbwd`, also each implementation's gradients of the first input set (a random
+    /// upstream gradient) against Burn's unfused attention in f32 on the same inputs: per
+    /// gradient, its non-finite values and its largest difference over the reference's largest
+    /// magnitude, as a `# grads` line of the CSV.
+    #[arg(long)]
+    check_grads: bool,
     /// A CSV of the same columns from another program on this device (torch_sdpa_bench.py),
     /// whose rows join the summary printed after the CSV.
     #[arg(long, value_name = "CSV")]
@@ -407,6 +413,48 @@ fn forward_backward(name: Impl, set: Set, options: FlashAttentionOptions) {
     let _grads = out.backward();
 }
 
+/// `--check-grads`: the gradients of `sum(upstream ∘ attention)` by `name` on `set`'s q, k and
+/// v, against Burn's unfused attention in f32 on the same values, for each of dq, dk, dv: its
+/// non-finite values and `max |got − ref| / max |ref|`.
+fn check_grads(name: Impl, set: &Set, options: FlashAttentionOptions) -> String {
+    let [q, _, v] = &set.qkv;
+    let [b, h, n, _] = q.dims();
+    let shape = [b, h, n, v.dims()[3]];
+    let normal = Distribution::Normal(0.0, 1.0);
+    let upstream = Tensor::<4>::random(shape, normal, (&q.device(), DType::F32));
+    let grads = |name: Impl, dtype: DType| {
+        let qkv = set.qkv.clone().map(|t| t.cast(dtype).require_grad());
+        let inputs = Set {
+            qkv: qkv.clone(),
+            mask: set.mask.clone(),
+            bias: set.bias.clone().map(|bias| bias.cast(dtype)),
+        };
+        let out = forward(name, inputs, options).cast(DType::F32);
+        let grads = (out * upstream.clone()).sum().backward();
+        qkv.map(|t| t.grad(&grads).map(|grad| grad.cast(DType::F32)))
+    };
+    let got = grads(name, q.dtype());
+    let reference = grads(Impl::Unfused, DType::F32);
+    let judged: Vec<String> = ["dq", "dk", "dv"]
+        .iter()
+        .zip(got.into_iter().zip(reference))
+        .map(|(label, pair)| match pair {
+            (Some(got), Some(reference)) => {
+                let bad = got.clone().is_nan().bool_or(got.clone().is_inf());
+                let non_finite: i64 = bad.int().sum().into_scalar();
+                let scale: f32 = reference.clone().abs().max().into_scalar();
+                let diff: f32 = (got - reference).abs().max().into_scalar();
+                format!(
+                    "{label} non-finite {non_finite} max diff / max |ref| {:.2e}",
+                    diff / scale
+                )
+            }
+            _ => format!("{label} missing"),
+        })
+        .collect();
+    judged.join("; ")
+}
+
 /// What one timed call runs: [`forward`] or [`forward_backward`].
 type Call = fn(Impl, Set, FlashAttentionOptions);
 
@@ -601,6 +649,10 @@ fn run(device: &Device, args: &Args, s: &Settings, mode: Mode, call: Call, timed
                         options,
                     };
                     let outcome = measure(device, &calls, &row, flops, s, args);
+                    if mode == Mode::Fwdbwd && args.check_grads {
+                        let check = check_grads(implementation, &inputs[0], options);
+                        println!("# grads {row}: {check}");
+                    }
                     if let Outcome::Timed { ms, .. } = outcome {
                         timed.push(Timed {
                             name: format!("{impl_name}{variant}"),
