@@ -200,13 +200,17 @@ pub(crate) fn packed_group(
 }
 
 /// Whether one query per sequence (`seq_q`) with these inputs and parameters can take its
-/// key/value head's query heads as rows: nothing but the causal bound depends on the row
-/// (no window, mask, bias, ALiBi or dropout), and with one query aligned bottom-right that
-/// bound hides nothing.
+/// key/value head's query heads as rows: nothing but the causal bound depends on the row (no
+/// window, bias, ALiBi or dropout; a mask only where it is one row of keys per sequence,
+/// `[b|1, 1, 1, sk]`, as a cache's lengths make it: every row of the group reads it alike),
+/// and with one query aligned bottom-right that bound hides nothing.
 fn group_packs(seq_q: usize, inputs: &ScoreInputs, params: &ScoreParams) -> bool {
+    let mask_per_key = inputs
+        .mask_dims()
+        .is_none_or(|dims| dims[1] == 1 && dims[2] == 1);
     seq_q == 1
         && !params.mask.top_left.0
-        && inputs.mask.is_none()
+        && mask_per_key
         && inputs.bias.is_none()
         && !params.mask.left
         && params.alibi_pow2.is_none()

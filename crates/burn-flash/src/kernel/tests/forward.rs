@@ -175,19 +175,30 @@ fn packed_groups_match_the_reference() {
             1,
             false,
         ),
+        // One row of keys per sequence (a cache's lengths): every packed row reads it alike.
+        (
+            Case::new(2, 8, 1, 150, 32)
+                .kv_heads(2)
+                .causal()
+                .mask([2, 1, 1, 150]),
+            2,
+            true,
+        ),
+        // A mask per head does not pack.
+        (
+            Case::new(1, 4, 1, 70, 32).kv_heads(2).mask([1, 4, 1, 70]),
+            1,
+            false,
+        ),
     ];
     for (seed, (case, splits, packed)) in cases.iter().enumerate() {
+        let seed = 600 + seed as u64;
         let adjust = |params: ScoreParams| params.with_pack_groups(true).with_kv_splits(*splits);
         let params = adjust(params_of(case));
-        let group = packed_group(
-            case.heads,
-            case.kv_heads,
-            case.seq_q,
-            &ScoreInputs::new(None, None),
-            &params,
-        );
+        let (_, _, _, scores) = Inputs::draw(case, seed).upload(&client(), case);
+        let group = packed_group(case.heads, case.kv_heads, case.seq_q, &scores, &params);
         assert_eq!(group.is_some(), *packed, "{case:?}");
-        check_with(case, 600 + seed as u64, adjust);
+        check_with(case, seed, adjust);
     }
     // Top-left, one query sees key 0 only: the rows would need diagonals of their own.
     let top_left = FlashAttentionOptions::causal().with_causal_alignment(CausalAlignment::TopLeft);
