@@ -14,7 +14,7 @@ use crate::options::FlashAttentionOptions;
 ///
 /// [`append`](Self::append) writes the newest keys and values of every sequence after its
 /// filled part; [`attend`](Self::attend) runs the queries of those newest positions over the
-/// filled part, causal within the new positions by default. Where every sequence has the same
+/// filled part, causal per sequence where the options are causal. Where every sequence has the same
 /// length the filled part is passed to [`flash_attention`](crate::flash_attention) as a view
 /// (grouped query heads packed into one block's rows and the keys split across cubes where the
 /// plan chooses); with lengths that differ, the keys past each sequence's length and the causal
