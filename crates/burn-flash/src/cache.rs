@@ -14,11 +14,11 @@ use crate::options::FlashAttentionOptions;
 ///
 /// [`append`](Self::append) writes the newest keys and values of every sequence after its
 /// filled part; [`attend`](Self::attend) runs the queries of those newest positions over the
-/// filled part, causal per sequence where the options are causal. Where every sequence has the same
-/// length the filled part is passed to [`flash_attention`](crate::flash_attention) as a view
-/// (grouped query heads packed into one block's rows and the keys split across cubes where the
-/// plan chooses); with lengths that differ, the keys past each sequence's length and the causal
-/// bound of each are one boolean mask.
+/// filled part, causal per sequence where the options are causal. Where every sequence has the
+/// same length the filled part is passed to [`flash_attention`](crate::flash_attention) as a
+/// view (grouped query heads packed into one block's rows and the keys split across cubes where
+/// the plan chooses); with lengths that differ, the keys past each sequence's length and the
+/// causal bound of each are one boolean mask.
 ///
 /// # Example
 ///
@@ -73,7 +73,8 @@ impl KvCache {
     /// use burn::tensor::{DType, Device};
     /// use burn_flash::KvCache;
     ///
-    /// let cache = KvCache::new([4, 2, 256, 64], 64, DType::F32, &Device::wgpu(Default::default()));
+    /// let device = Device::wgpu(Default::default());
+    /// let cache = KvCache::new([4, 2, 256, 64], 64, DType::F32, &device);
     /// assert_eq!(cache.lengths(), &[0, 0, 0, 0]);
     /// ```
     pub fn lengths(&self) -> &[usize] {
@@ -88,7 +89,8 @@ impl KvCache {
     /// use burn::tensor::{DType, Device};
     /// use burn_flash::KvCache;
     ///
-    /// let cache = KvCache::new([1, 2, 256, 64], 64, DType::F32, &Device::wgpu(Default::default()));
+    /// let device = Device::wgpu(Default::default());
+    /// let cache = KvCache::new([1, 2, 256, 64], 64, DType::F32, &device);
     /// assert_eq!(cache.capacity(), 256);
     /// ```
     pub fn capacity(&self) -> usize {
@@ -104,7 +106,8 @@ impl KvCache {
     /// # use burn_flash::KvCache;
     /// # let device = Device::wgpu(Default::default());
     /// let mut cache = KvCache::new([1, 1, 16, 8], 8, DType::F32, &device);
-    /// cache.append(Tensor::zeros([1, 1, 2, 8], &device), Tensor::zeros([1, 1, 2, 8], &device)).unwrap();
+    /// let new = || Tensor::<4>::zeros([1, 1, 2, 8], &device);
+    /// cache.append(new(), new()).unwrap();
     /// cache.clear();
     /// assert_eq!(cache.lengths(), &[0]);
     /// ```
@@ -279,7 +282,8 @@ impl KvCache {
     /// use burn_flash::{FlashAttentionOptions, KvCache};
     ///
     /// let device = Device::wgpu(Default::default());
-    /// let random = |heads| Tensor::<4>::random([1, heads, 1, 32], Distribution::Normal(0.0, 1.0), &device);
+    /// let normal = Distribution::Normal(0.0, 1.0);
+    /// let random = |heads| Tensor::<4>::random([1, heads, 1, 32], normal, &device);
     /// let mut cache = KvCache::new([1, 2, 64, 32], 32, DType::F32, &device);
     /// let out = cache
     ///     .append_and_attend(random(4), random(2), random(2), FlashAttentionOptions::causal())
