@@ -10,7 +10,7 @@ use burn::tensor::{DType, Device};
 use burn_flash::{FlashAttentionOptions, KvCache};
 use common::{Error, error, random_normal, reference_row, tensor_from_host, to_host, widen};
 
-/// One step of a decoding session.
+/// One step of a decoding run.
 #[derive(Clone, Copy, Debug)]
 enum Step {
     /// `n` new positions per sequence, of which sequence `s` keeps the first `counts(n)[s]`
@@ -22,7 +22,7 @@ enum Step {
 
 /// The cache's shape and the query heads.
 #[derive(Clone, Copy, Debug)]
-struct Session {
+struct CacheShape {
     batch: usize,
     heads: usize,
     kv_heads: usize,
@@ -31,25 +31,25 @@ struct Session {
     value_dim: usize,
 }
 
-/// Run `steps` on a fresh cache of `session` on `device` in `dtype`; every attention is judged
+/// Run `steps` on a fresh cache of `shape` on `device` in `dtype`; every attention is judged
 /// by `accept` against the reference. Returns the failures.
 fn run(
     device: &Device,
     dtype: DType,
-    session: Session,
+    shape: CacheShape,
     steps: &[Step],
     seed: u64,
     accept: impl Fn(&Error) -> bool,
 ) -> Vec<String> {
     burn_flash::testing::poison_outputs(true);
-    let Session {
+    let CacheShape {
         batch,
         heads,
         kv_heads,
         capacity,
         head_dim,
         value_dim,
-    } = session;
+    } = shape;
     let mut cache = KvCache::new(
         [batch, kv_heads, capacity, head_dim],
         value_dim,
@@ -109,7 +109,7 @@ fn run(
                 }
                 let err = error(&got, &reference, value_dim);
                 let label = format!(
-                    "{dtype:?} {session:?} step {index} {step:?} lengths {:?}",
+                    "{dtype:?} {shape:?} step {index} {step:?} lengths {:?}",
                     cache.lengths()
                 );
                 eprintln!("{label}: {err}");
@@ -166,7 +166,7 @@ mod wgpu {
     fn decoding_matches_the_reference() {
         let device = Device::wgpu(Default::default());
         let mut failures = Vec::new();
-        let grouped = Session {
+        let grouped = CacheShape {
             batch: 2,
             heads: 4,
             kv_heads: 2,
@@ -175,7 +175,7 @@ mod wgpu {
             value_dim: 32,
         };
         failures.extend(run(&device, DType::F32, grouped, EQUAL, 1, accept));
-        let ragged = Session {
+        let ragged = CacheShape {
             batch: 3,
             heads: 2,
             kv_heads: 1,
@@ -273,7 +273,7 @@ mod cuda {
             let u = unit_roundoff(DType::BF16);
             err.finite() && err.relative <= 4.0 * u && err.max_abs <= 8.0 * u * err.ref_max
         };
-        let session = |batch, capacity| Session {
+        let shape = |batch, capacity| CacheShape {
             batch,
             heads: 32,
             kv_heads: 8,
@@ -281,16 +281,9 @@ mod cuda {
             head_dim: 128,
             value_dim: 128,
         };
-        let mut failures = run(&device, DType::BF16, session(2, 4200), LONG, 3, accept);
-        failures.extend(run(&device, DType::BF16, session(2, 64), EQUAL, 5, accept));
-        failures.extend(run(
-            &device,
-            DType::BF16,
-            session(3, 300),
-            RAGGED,
-            4,
-            accept,
-        ));
+        let mut failures = run(&device, DType::BF16, shape(2, 4200), LONG, 3, accept);
+        failures.extend(run(&device, DType::BF16, shape(2, 64), EQUAL, 5, accept));
+        failures.extend(run(&device, DType::BF16, shape(3, 300), RAGGED, 4, accept));
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! - `forward_wgpu`, `backward_wgpu`, `features_wgpu`, `nn_wgpu`: the portable tile on a wgpu
 //!   device (lavapipe in CI), f32, against the f64 reference of `common`.
-//! - `cache`: `KvCache` decoding sessions, on wgpu and, with feature `cuda`, on the tensor-core
+//! - `cache`: `KvCache` decoding runs, on wgpu and, with feature `cuda`, on the tensor-core
 //!   tile.
 //! - `masks`: boolean masks and additive biases, on wgpu (f32, portable tile) and, with feature
 //!   `cuda`, on the tensor-core tile.
