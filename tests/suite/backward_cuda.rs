@@ -315,6 +315,24 @@ fn padded_head_dims_bf16() {
     );
 }
 
+/// Forward and backward built with 64-bit indices, as tensors of more than `u32::MAX` elements
+/// take them (`testing::force_wide_indices`), on small shapes: self-attention, GQA, and one
+/// decoding query against 4096 keys (the forward splits the keys and packs the query heads).
+#[test]
+fn wide_indices_bf16() {
+    let _wide = burn_flash::testing::force_wide_indices();
+    let problems = [
+        Problem::square(1, 2, 150, 64),
+        Problem::cross(2, 4, 90, 130, 128).grouped(2),
+        Problem::cross(1, 8, 1, 4096, 128).grouped(2),
+    ];
+    let problems = problems
+        .into_iter()
+        .flat_map(|p| [(p, Spec::from(false)), (p, Spec::from(true))])
+        .collect();
+    check_problems("wide_indices_bf16", DType::BF16, 400, false, problems);
+}
+
 /// The deterministic backward repeats bit for bit on the tensor cores; for the atomic one the
 /// test prints how many dQ elements differ from it (last-bit differences of the f32 sums).
 #[test]

@@ -659,8 +659,9 @@ mod cuda {
     }
 
     /// A call whose tensors hold more than 2^31 elements (b 4, h 130, n 32768, d 128: 2.18e9
-    /// each, 4.4 GB in bf16), causal, forward and backward: the launches switch to 64-bit
-    /// indexing. Sampled rows of the first and the last (batch, head) against the f64 reference,
+    /// each, 4.4 GB in bf16), causal, forward and backward: indices past `i32::MAX`, still
+    /// within the 32-bit unsigned indices CubeCL 0.12 keeps up to `u32::MAX` elements (the
+    /// 64-bit build is `backward_cuda::wide_indices_bf16`'s). Sampled rows of the first and the last (batch, head) against the f64 reference,
     /// the gradients of both finite.
     #[test]
     fn beyond_2_pow_31_elements_cuda() {

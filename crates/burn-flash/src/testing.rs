@@ -56,6 +56,37 @@ pub(crate) fn atomic_dq_forced() -> bool {
     Held::any(&FORCED_ATOMIC_DQ)
 }
 
+static FORCED_WIDE_INDICES: AtomicUsize = AtomicUsize::new(0);
+
+/// While the returned guard lives, every kernel this crate launches indexes with 64 bits, as
+/// it does for tensors of more than `u32::MAX` elements, so that tests cover that build on
+/// small shapes. Guards nest and may live on several threads at once; the switch is
+/// process-wide.
+///
+/// # Example
+///
+/// ```
+/// let wide = burn_flash::testing::force_wide_indices();
+/// // ... run attention on small shapes ...
+/// drop(wide);
+/// ```
+#[must_use = "64-bit indices are forced only while the guard lives"]
+pub fn force_wide_indices() -> ForcedWideIndices {
+    ForcedWideIndices {
+        _held: Held::new(&FORCED_WIDE_INDICES),
+    }
+}
+
+/// Guard of [`force_wide_indices`].
+pub struct ForcedWideIndices {
+    _held: Held,
+}
+
+/// Whether some [`force_wide_indices`] guard lives; read where launches pick their index width.
+pub(crate) fn wide_indices_forced() -> bool {
+    Held::any(&FORCED_WIDE_INDICES)
+}
+
 /// One live guard counted in `count`, so that guards nest and may live on several threads.
 struct Held(&'static AtomicUsize);
 

@@ -10,12 +10,11 @@
 //! everything downstream, which multiplies by the scale, sees `scale · s + bias` as Burn's
 //! attention defines it. ALiBi's bias, `−slope · |key − diagonal|`, is computed instead of read.
 
-use cubecl::prelude::barrier::copy_async_checked;
 use cubecl::prelude::*;
 
 use super::band::{Band, diagonal};
 use super::config::{SMEM_ALIGN, TileConfig};
-use super::stage::{copy_or_zero_fill, input_offset, input_swizzle, smem_anchor};
+use super::stage::{copy_or_zero_fill, copy_whole, input_offset, input_swizzle, smem_anchor};
 use super::tile::AttentionTile;
 
 /// Where one (batch, head) starts in a broadcast input and how far apart its query rows are.
@@ -366,7 +365,7 @@ pub fn input_stages<N: CubePrimitive>(
 /// `chunk`, so a chunk is wholly in or out.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn copy_input_async<N: CubePrimitive>(
+pub fn copy_input_async<N: Numeric>(
     src: &Tensor<N>,
     at: Broadcast,
     band: Band,
@@ -445,11 +444,7 @@ pub fn copy_packed_async<M: Int>(
         let id = comptime!(pass * units) + UNIT_POS as usize;
         if comptime!(chunks.is_multiple_of(units)) || id < chunks {
             let offset = id * 4;
-            copy_async_checked(
-                packed.slice(src + offset, src + offset + 4),
-                stage.slice_mut(stage_base + offset, stage_base + offset + 4),
-                4u32,
-            );
+            copy_whole(packed, src + offset, stage, stage_base + offset, 4usize);
         }
     }
 }

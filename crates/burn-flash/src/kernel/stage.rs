@@ -1,7 +1,7 @@
 //! Stage level: key/value blocks staged in shared memory, either by asynchronous 16-byte copies
 //! (tensor-core path, overlapped with the previous block's math) or by plain loads (portable).
 
-use cubecl::prelude::barrier::{Barrier, copy_async_checked};
+use cubecl::prelude::barrier::{Barrier, copy_async, copy_async_checked};
 use cubecl::prelude::*;
 
 use super::config::{CHUNK, Pitch, TileConfig};
@@ -161,8 +161,14 @@ fn copy_chunk<E: Float>(
 /// One asynchronous copy of `len` elements from `src[src_start..]` to `stage[dst..]`, or, when
 /// not `in_bounds`, a zero-length source that `cp.async` zero-fills (`src_start` must then still
 /// lie inside `src`).
+///
+/// Kernels built with 64-bit indices (tensors of more than `u32::MAX` elements) store the zeros
+/// themselves: CubeCL 0.12.0-pre.1's C++ backend passes `copy_async_checked`'s source size as a
+/// 64-bit register there, and `ptxas` refuses it (`cp.async` takes 32 bits), so the launch would
+/// fail. The stores are ordered before the readers by the unit's arrival on the stage barrier,
+/// as the copies are.
 #[cube]
-pub fn copy_or_zero_fill<N: CubePrimitive>(
+pub fn copy_or_zero_fill<N: Numeric>(
     src: &Tensor<N>,
     src_start: usize,
     in_bounds: bool,
@@ -170,12 +176,46 @@ pub fn copy_or_zero_fill<N: CubePrimitive>(
     dst: usize,
     #[comptime] len: usize,
 ) {
-    let src_len = select(in_bounds, len, 0usize);
-    copy_async_checked(
-        src.slice(src_start, src_start + src_len),
+    let index_bytes = usize::size();
+    if comptime!(index_bytes > 4) {
+        if in_bounds {
+            copy_whole(src, src_start, stage, dst, len);
+        } else {
+            #[unroll]
+            for i in 0..len {
+                stage[dst + i] = N::from_int(0);
+            }
+        }
+    } else {
+        let src_len = select(in_bounds, len, 0usize);
+        copy_async_checked(
+            src.slice(src_start, src_start + src_len),
+            stage.slice_mut(dst, dst + len),
+            len as u32,
+        );
+    }
+}
+
+/// One asynchronous copy of `len` elements from `src[src_start..]`, all in bounds, to
+/// `stage[dst..]`; unchecked where indices are 64-bit ([`copy_or_zero_fill`] says why).
+#[cube]
+pub fn copy_whole<N: Numeric>(
+    src: &Tensor<N>,
+    src_start: usize,
+    stage: &mut Shared<[N]>,
+    dst: usize,
+    #[comptime] len: usize,
+) {
+    let index_bytes = usize::size();
+    let (src, dst) = (
+        src.slice(src_start, src_start + len),
         stage.slice_mut(dst, dst + len),
-        len as u32,
     );
+    if comptime!(index_bytes > 4) {
+        copy_async(src, dst, len as u32);
+    } else {
+        copy_async_checked(src, dst, len as u32);
+    }
 }
 
 /// Stage `stage` (0 or 1) of a double-buffered pair of operands: copies of rows

@@ -144,8 +144,12 @@ impl KernelTensor {
         self.into_handle().into_arg()
     }
 
-    /// The address width every index into this tensor's buffer fits.
+    /// The address width every index into this tensor's buffer fits (64 bits while
+    /// [`force_wide_indices`](crate::testing::force_wide_indices) lives).
     pub fn required_address_type(&self) -> AddressType {
+        if crate::testing::wide_indices_forced() {
+            return AddressType::U64;
+        }
         AddressType::from_len(self.handle.size() as usize / self.dtype.size())
     }
 
