@@ -441,7 +441,8 @@ fn small_shapes_bf16() {
 
 /// Decoding against a cache in bf16 on the tensor-core tile: one new query per sequence or a
 /// chunk of four (causal bottom-right), 32 query heads over 8 or 4 key/value heads at head dim
-/// 128, caches of 1 to 4100 keys (ragged against the key blocks).
+/// 128, caches of 1 to 4100 keys (ragged against the key blocks). The plan takes 16-row blocks
+/// of one plane (keys split) and, for the 160 row blocks of the last case, of four planes.
 #[test]
 fn decode_shapes_bf16() {
     let problems = [
@@ -449,6 +450,7 @@ fn decode_shapes_bf16() {
         Problem::cross(2, 32, 1, 1000, 128).grouped(8),
         Problem::cross(1, 32, 1, 4100, 128).grouped(4),
         Problem::cross(3, 32, 4, 2049, 128).grouped(8),
+        Problem::cross(5, 32, 1, 300, 128),
     ];
     let cases: Vec<Case> = problems
         .iter()

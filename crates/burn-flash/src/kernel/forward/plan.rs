@@ -64,7 +64,8 @@ impl ForwardPlan {
     pub fn new(caps: &DeviceCaps, problem: &ForwardProblem) -> Result<Self, String> {
         let ForwardProblem { dtype, params, .. } = *problem;
         let tile = support(caps, dtype, problem.head_dim, problem.value_dim)?;
-        let cfg = block_shapes(tile, problem.head_dim, problem.value_dim)
+        let cfg = short_query_shapes(caps, tile, problem)
+            .unwrap_or_else(|| block_shapes(tile, problem.head_dim, problem.value_dim))
             .with_scores(&params)
             .with_bounded_max(params.softcap, dtype == BF16 || dtype == F32);
         let (cfg, pack_mask) = stage_inputs(caps, cfg, &problem.inputs, dtype);
@@ -144,16 +145,60 @@ fn block_shapes(tile: TilePath, head_dim: usize, value_dim: usize) -> TileConfig
 /// output accumulators (16 rows × the value dim per plane) stay at 128 registers.
 /// `BURN_FLASH_TC_SHAPE=planes,plane_rows,block_kv` overrides them for tuning runs.
 fn tensor_core_shapes(head_dim: usize, value_dim: usize) -> TileConfig {
-    static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
-    let shape = OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_TC_SHAPE"));
     let default = if head_dim.max(value_dim) > 128 {
         (8, 16, 64)
     } else {
         (4, 32, 64)
     };
-    let (planes, plane_rows, block_kv) = shape.unwrap_or(default);
+    let (planes, plane_rows, block_kv) = tensor_core_override().unwrap_or(default);
     TileConfig::tensor_core(head_dim, value_dim, planes, plane_rows, block_kv)
 }
+
+/// The tensor-core block shape `BURN_FLASH_TC_SHAPE=planes,plane_rows,block_kv` asks for.
+fn tensor_core_override() -> Option<(usize, usize, usize)> {
+    static OVERRIDE: OnceLock<Option<(usize, usize, usize)>> = OnceLock::new();
+    *OVERRIDE.get_or_init(|| shape_override("BURN_FLASH_TC_SHAPE"))
+}
+
+/// Block shapes of the tensor-core forward for at most [`SHORT_QUERY_ROWS`] query rows (a
+/// decoding step, grouped heads packed into rows, a short speculative chunk) without score
+/// inputs, head dims up to 128: 16-row planes, so that a block's rows are not mostly empty and
+/// more cubes share an SM. One plane where the row blocks are fewer than the SMs (the keys are
+/// then split across cubes), four where they fill the card. On the H200 at head dim 128 this
+/// read the cache at 3.8–4.5 TB/s against 2.5–2.7 with the 128-row blocks: 0.136 against
+/// 0.209 ms (b 8, 32/8 heads, 16k keys), 0.957 against 1.586 ms (b 64), 0.542 against
+/// 0.858 ms (b 1, 32/32 heads, 128k keys) (docs/perf-notes.md, 2026-11-29). `None` elsewhere,
+/// or where `BURN_FLASH_TC_SHAPE` decides.
+fn short_query_shapes(
+    caps: &DeviceCaps,
+    tile: TilePath,
+    problem: &ForwardProblem,
+) -> Option<TileConfig> {
+    let plain = problem.inputs.mask.is_none()
+        && problem.inputs.bias.is_none()
+        && problem.params.dropout.is_none();
+    let short = tile == TilePath::TensorCore
+        && problem.seq_q <= SHORT_QUERY_ROWS
+        && problem.head_dim.max(problem.value_dim) <= 128
+        && plain
+        && tensor_core_override().is_none();
+    let sms = caps.sms.filter(|_| short)?;
+    let planes = if problem.heads * problem.batch >= sms {
+        4
+    } else {
+        1
+    };
+    Some(TileConfig::tensor_core(
+        problem.head_dim,
+        problem.value_dim,
+        planes,
+        16,
+        64,
+    ))
+}
+
+/// The query rows up to which [`short_query_shapes`] applies: one 16-row plane.
+const SHORT_QUERY_ROWS: usize = 16;
 
 /// Cubes each row block's keys are split across: [`ScoreParams::kv_splits`] where the caller
 /// chose, else more than one only where every (batch, head) pair is one row block (decoding,
@@ -492,5 +537,39 @@ mod tests {
             ..decode(1, 32, 1, 16384)
         };
         assert_eq!(splits(&caps::lavapipe(), &lavapipe), 1);
+    }
+
+    #[test]
+    fn short_queries_take_16_row_planes() {
+        let decode = |batch: usize, heads: usize, seq_q: usize, d: usize| ForwardProblem {
+            batch,
+            heads,
+            seq_q,
+            seq_k: 16384,
+            params: ScoreParams::new(&FlashAttentionOptions::causal(), heads, d, seq_q, 16384),
+            ..problem(d, FlashAttentionOptions::causal(), ScoreFacts::default())
+        };
+        let shape = |problem: &ForwardProblem| {
+            let cfg = ForwardPlan::new(&caps::h100(), problem).unwrap().cfg;
+            (cfg.planes, cfg.plane_rows, cfg.block_kv)
+        };
+        // 8 key/value heads of 4 packed query rows, 64 row blocks on 132 SMs: one plane, keys
+        // split; 512 row blocks fill the card: four planes.
+        assert_eq!(shape(&decode(8, 8, 4, 128)), (1, 16, 64));
+        assert_eq!(shape(&decode(64, 8, 4, 128)), (4, 16, 64));
+        // Longer query blocks, wider heads and score inputs keep the default shapes.
+        assert_eq!(shape(&decode(8, 8, 17, 128)), (4, 32, 64));
+        assert_eq!(shape(&decode(8, 8, 4, 256)), (8, 16, 64));
+        let masked = ForwardProblem {
+            inputs: ScoreFacts {
+                mask: Some(InputFacts {
+                    elem_size: 1,
+                    dims: [8, 1, 1, 16384],
+                }),
+                bias: None,
+            },
+            ..decode(8, 8, 4, 128)
+        };
+        assert_eq!(shape(&masked), (4, 32, 64));
     }
 }
