@@ -3,7 +3,8 @@
 # scripts/pack-gpu.sh left in .gpu/. Everything it measures goes under $OUT.
 #
 #   scripts/gpu-run.sh tests   # CUDA tests (TEST_FILTER, default `cuda`; fail loudly without a device)
-#   scripts/gpu-run.sh ptests  # the same, one process per test, all at once (TEST_TIMEOUT each)
+#   scripts/gpu-run.sh ptests  # the same, one process per test, all at once (TEST_TIMEOUT each;
+#                              # PTESTS_NAMES: only those tests)
 #   scripts/gpu-run.sh sanitize # compute-sanitizer (SANITIZERS) over the kernels on ragged shapes
 #   scripts/gpu-run.sh sources # dump the fused kernels' generated CUDA source (forward, backward)
 #   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV (TIMING)
@@ -114,8 +115,13 @@ for stage in "$@"; do
           >>"$OUT/ptests.log"
         rm -f "$log" )
     }
-    # The suite's CUDA tests in round $1 (all, alone, serial).
+    # The suite's CUDA tests in round $1 (all, alone, serial); PTESTS_NAMES="a::b c::d" runs
+    # exactly those, all at once, in the first round.
     tests_of() {
+      if [ -n "${PTESTS_NAMES:-}" ]; then
+        [ "$1" = all ] && for name in $PTESTS_NAMES; do echo "$BIN/test-suite $name"; done
+        return 0
+      fi
       for t in $BIN/test-*; do
         for name in $("$t" --list ${TEST_FILTER:-cuda} 2>/dev/null | sed -n 's/: test$//p'); do
           case "$1" in
@@ -224,14 +230,16 @@ EOF
     # (DECODE_ARGS: the flags both programs take, --b --sk --hkv --hq --sq --d --max-cache-gib).
     # DECODE_VARIANTS: space-separated settings our rows run under, each `plan` (the plan's
     # choices) or comma-separated VAR=value pairs (e.g. BURN_FLASH_KV_SPLITS=1,BURN_FLASH_PACK_GROUPS=0);
-    # all in one decode.csv, the setting in its first column.
+    # all in one decode.csv, the setting in its first column. DECODE_IMPLS: our bench's
+    # implementations (default burn-flash; burn-unfused is slow on the long caches).
     python3 scripts/torch_decode_bench.py ${DECODE_ARGS:-} 2>"$OUT/torch-decode.err" \
       | tee "$OUT/torch-decode.csv"
     echo "variant,impl,dtype,b,hq,hkv,sq,sk,d,ms,gbps" >"$OUT/decode.csv"
     for variant in ${DECODE_VARIANTS:-plan}; do
       vars=(); [ "$variant" = plan ] || IFS=, read -ra vars <<<"$variant"
       echo "# $variant" >>"$OUT/decode.err"
-      env "${vars[@]}" timeout "${DECODE_TIMEOUT:-600}" $BIN/bench-decode ${DECODE_ARGS:-} \
+      env "${vars[@]}" timeout "${DECODE_TIMEOUT:-600}" $BIN/bench-decode \
+        --impls "${DECODE_IMPLS:-burn-flash}" ${DECODE_ARGS:-} \
         2>>"$OUT/decode.err" | grep -v '^impl,' | sed "s/^/${variant//,/+},/" \
         | tee -a "$OUT/decode.csv"
     done
