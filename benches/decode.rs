@@ -158,9 +158,11 @@ fn time_row(
     // As many calls as fill about 20 ms, at most 50.
     let once = timed(device, 1, |_| step(true)).0;
     let batch = ((0.02 / once.as_secs_f64().max(1e-6)) as usize).clamp(1, 50);
+    let mut issued = Vec::with_capacity(args.iters);
     let mut samples: Vec<_> = (0..args.iters)
         .map(|_| {
-            let both = timed(device, batch, |_| step(true)).0;
+            let (both, issue) = timed(device, batch, |_| step(true));
+            issued.push(issue);
             let clears = if clearing {
                 timed(device, batch, |_| step(false)).0
             } else {
@@ -170,12 +172,15 @@ fn time_row(
         })
         .collect();
     let ms = median_ms(&mut samples);
-    // Where a row's time goes: compiles and autotune in the first call, the rest timing.
+    // Where a row's time goes: compiles and autotune in the first call, the rest timing; and
+    // the host's time to issue a step, which bounds the row where it exceeds the device's.
     eprintln!(
-        "  {}: first call {:.1} s, row {:.1} s; key/value views read in place so far: {}",
+        "  {}: first call {:.1} s, row {:.1} s; the host issued a step (a call, after its \
+         clear where clearing) in {:.4} ms; key/value views read in place so far: {}",
         name(imp),
         first.as_secs_f64(),
         started.elapsed().as_secs_f64(),
+        median_ms(&mut issued),
         burn_flash::testing::views_read_in_place()
     );
     if ms > 0.0 { ms } else { f64::NAN }
