@@ -14,7 +14,12 @@
 //!
 //! `--cache-slack N` draws the keys and values as the first `sk` positions of buffers `N`
 //! longer, as a `KvCache`'s filled part, which burn-flash reads in place (stderr counts the
-//! views it read so).
+//! views it read so). `--key-lengths` times burn-flash through
+//! `try_flash_attention_with_lengths` with every sequence's length given as `sk` (the same
+//! bytes as the dense call, through the per-sequence path a cache of different lengths takes;
+//! its rows are named `burn-flash-lengths`); `--page-size N` times it through
+//! `try_flash_attention_paged` over the same keys in shuffled pages of `N` positions
+//! (`burn-flash-paged`).
 //!
 //! Decoding is bound by memory: GB/s counts the bytes a call cannot avoid moving, the cache's
 //! keys and values once per key/value head plus the queries and the output, over the call's
@@ -36,8 +41,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use burn::tensor::module::{attention, attention_fallback};
-use burn::tensor::{DType, Device, Distribution, Tensor, s};
-use burn_flash::{FlashAttentionOptions, flash_attention, flash_attention_plan};
+use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData, s};
+use burn_flash::{
+    FlashAttentionOptions, flash_attention, flash_attention_plan, try_flash_attention_paged,
+    try_flash_attention_with_lengths,
+};
 use clap::Parser;
 use clap::builder::RangedU64ValueParser;
 
@@ -93,13 +101,47 @@ struct Args {
     /// `KvCache`'s filled part (views, read in place by burn-flash); 0: tensors of their own.
     #[arg(long, default_value_t = 0)]
     cache_slack: usize,
+    /// burn-flash reads each sequence's key length from a tensor (all `sk`): the path of a
+    /// cache whose sequences differ in length.
+    #[arg(long)]
+    key_lengths: bool,
+    /// burn-flash reads the keys and values from shuffled pages of this many positions (a
+    /// multiple of 64) through a block table, each sequence's length given as `sk`.
+    #[arg(long)]
+    page_size: Option<usize>,
 }
 
-/// One call of `imp`, the causal mask aligned bottom-right.
-fn decode(imp: Impl, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+/// How burn-flash finds the cached keys besides the dense call.
+#[derive(Clone)]
+enum Cached {
+    /// Every sequence's length, read from a tensor.
+    Lengths(Tensor<1, Int>),
+    /// The keys and values in pages `[pages, page_size, hkv, d]`, a block table and lengths.
+    Paged([Tensor<4>; 2], Tensor<2, Int>, Tensor<1, Int>),
+}
+
+/// One call of `imp`, the causal mask aligned bottom-right; burn-flash reads the keys as
+/// `cached` says where given.
+fn decode(
+    imp: Impl,
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    cached: Option<Cached>,
+) -> Tensor<4> {
     let options = FlashAttentionOptions::causal();
     match imp {
-        Impl::Flash => flash_attention(q, k, v, options),
+        Impl::Flash => match cached {
+            Some(Cached::Lengths(lengths)) => {
+                try_flash_attention_with_lengths(q, k, v, lengths, options)
+                    .expect("valid decode inputs")
+            }
+            Some(Cached::Paged([k, v], table, lengths)) => {
+                try_flash_attention_paged(q, k, v, table, lengths, options)
+                    .expect("valid decode inputs")
+            }
+            None => flash_attention(q, k, v, options),
+        },
         Impl::Unfused => attention_fallback(q, k, v, None, None, options.into()),
         Impl::Builtin => attention(q, k, v, None, None, options.into()),
     }
@@ -133,11 +175,12 @@ fn time_row(
     args: &Args,
     imp: Impl,
     inputs: &[Tensor<4>; 3],
+    cached: Option<&Cached>,
     mut clear: Option<&mut Clear>,
 ) -> f64 {
     let call = || {
         let [q, k, v] = inputs.clone();
-        decode(imp, q, k, v)
+        decode(imp, q, k, v, cached.cloned())
     };
     let started = Instant::now();
     call();
@@ -223,8 +266,10 @@ fn main() {
                     sk,
                     d,
                 };
-                let cache_gib =
-                    (2 * b * hkv * (sk + args.cache_slack) * d * elem) as f64 / (1u64 << 30) as f64;
+                // Paged rows hold the cache twice: as the dense peers read it, and in pages.
+                let copies = 1 + usize::from(args.page_size.is_some());
+                let cache_gib = (copies * 2 * b * hkv * (sk + args.cache_slack) * d * elem) as f64
+                    / (1u64 << 30) as f64;
                 if cache_gib > args.max_cache_gib {
                     println!("# {shape:?}: cache {cache_gib:.1} GiB over --max-cache-gib, skipped");
                     continue;
@@ -248,11 +293,45 @@ fn main() {
                     plan.map_or_else(|e| e.to_string(), |p| p.to_string()),
                     drawn.as_secs_f64()
                 );
+                let lengths = || {
+                    let lengths = TensorData::new(vec![sk as u32; b], [b]);
+                    Tensor::<1, Int>::from_data(lengths, &device)
+                };
+                let cached = match args.page_size {
+                    Some(page) => {
+                        let per_sequence = sk.div_ceil(page);
+                        let pages = b * per_sequence;
+                        let pool = || {
+                            Tensor::<4>::random(
+                                [pages, page, hkv, d],
+                                Distribution::Normal(0.0, 1.0),
+                                &device,
+                            )
+                            .cast(dtype)
+                        };
+                        // Page `i` of the sequences' run at `(i · 7919) mod pages` (a prime:
+                        // a shuffle wherever `pages` is not its multiple).
+                        let table: Vec<u32> =
+                            (0..pages).map(|i| ((i * 7919) % pages) as u32).collect();
+                        let table = TensorData::new(table, [b, per_sequence]);
+                        let table = Tensor::<2, Int>::from_data(table, &device);
+                        Some(Cached::Paged([pool(), pool()], table, lengths()))
+                    }
+                    None if args.key_lengths => Some(Cached::Lengths(lengths())),
+                    None => None,
+                };
+                device.sync().expect("device sync");
                 for &imp in &args.impls {
-                    let ms = time_row(&device, &args, imp, &inputs, clear.as_mut());
+                    let cached = cached.as_ref().filter(|_| imp == Impl::Flash);
+                    let ms = time_row(&device, &args, imp, &inputs, cached, clear.as_mut());
                     let gbps = shape.bytes(elem) / (ms * 1e-3) / 1e9;
+                    let suffix = match cached {
+                        Some(Cached::Lengths(_)) => "-lengths",
+                        Some(Cached::Paged(..)) => "-paged",
+                        None => "",
+                    };
                     println!(
-                        "{},{dtype_name},{b},{hq},{hkv},{},{sk},{d},{ms:.4},{gbps:.1}",
+                        "{}{suffix},{dtype_name},{b},{hq},{hkv},{},{sk},{d},{ms:.4},{gbps:.1}",
                         name(imp),
                         args.sq
                     );

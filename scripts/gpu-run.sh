@@ -232,16 +232,22 @@ EOF
     # choices) or comma-separated VAR=value pairs (e.g. BURN_FLASH_KV_SPLITS=1,BURN_FLASH_PACK_GROUPS=0);
     # all in one decode.csv, the setting in its first column. DECODE_IMPLS: our bench's
     # implementations (default burn-flash; burn-unfused is slow on the long caches).
+    # DECODE_FLAGS: space-separated sets of our bench's own flags, each run in turn, `none` for
+    # the dense call (e.g. `none --key-lengths --page-size=256`: the per-sequence and paged
+    # paths, their rows named burn-flash-lengths and burn-flash-paged).
     python3 scripts/torch_decode_bench.py ${DECODE_ARGS:-} 2>"$OUT/torch-decode.err" \
       | tee "$OUT/torch-decode.csv"
     echo "variant,impl,dtype,b,hq,hkv,sq,sk,d,ms,gbps" >"$OUT/decode.csv"
     for variant in ${DECODE_VARIANTS:-plan}; do
       vars=(); [ "$variant" = plan ] || IFS=, read -ra vars <<<"$variant"
-      echo "# $variant" >>"$OUT/decode.err"
-      env "${vars[@]}" timeout "${DECODE_TIMEOUT:-600}" $BIN/bench-decode \
-        --impls "${DECODE_IMPLS:-burn-flash}" ${DECODE_ARGS:-} \
-        2>>"$OUT/decode.err" | grep -v '^impl,' | sed "s/^/${variant//,/+},/" \
-        | tee -a "$OUT/decode.csv"
+      for flags in ${DECODE_FLAGS:-none}; do
+        own=(); [ "$flags" = none ] || IFS=, read -ra own <<<"$flags"
+        echo "# $variant $flags" >>"$OUT/decode.err"
+        env "${vars[@]}" timeout "${DECODE_TIMEOUT:-600}" $BIN/bench-decode \
+          --impls "${DECODE_IMPLS:-burn-flash}" ${DECODE_ARGS:-} "${own[@]}" \
+          2>>"$OUT/decode.err" | grep -v '^impl,' | sed "s/^/${variant//,/+},/" \
+          | tee -a "$OUT/decode.csv"
+      done
     done
     ;;
   timing)

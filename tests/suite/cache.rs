@@ -1,13 +1,13 @@
-//! `KvCache`: prompts of equal and of different lengths, decoding steps of one and of several
-//! positions, grouped query heads, against the f64 reference of the keys and values each
-//! sequence holds (a host copy of everything appended), on wgpu (f32, the portable tile) and,
-//! with feature `cuda`, on the tensor-core tile in bf16. The outputs are poisoned with NaN
-//! before the kernels run.
+//! `KvCache` and `PagedKvCache`: prompts of equal and of different lengths, decoding steps of
+//! one and of several positions, grouped query heads, sequences released and their slots
+//! reused, against the f64 reference of the keys and values each sequence holds (a host copy of
+//! everything appended), on wgpu (f32, the portable tile) and, with feature `cuda`, on the
+//! tensor-core tile in bf16. The outputs are poisoned with NaN before the kernels run.
 
 use crate::common;
 
-use burn::tensor::{DType, Device};
-use burn_flash::{FlashAttentionOptions, KvCache};
+use burn::tensor::{DType, Device, Tensor};
+use burn_flash::{FlashAttentionError, FlashAttentionOptions, KvCache, PagedKvCache};
 use common::{Error, error, random_normal, reference_row, tensor_from_host, to_host, widen};
 
 /// One step of a decoding run.
@@ -18,6 +18,63 @@ enum Step {
     Append(usize, Option<&'static [usize]>),
     /// Queries of each sequence's last `n` positions, causal or not.
     Attend(usize, bool),
+    /// Sequence `s` forgotten: its slot starts a new sequence.
+    Release(usize),
+}
+
+/// What the runs do with a cache: both kinds alike.
+trait Cache {
+    fn append_each(
+        &mut self,
+        keys: Tensor<4>,
+        values: Tensor<4>,
+        counts: &[usize],
+    ) -> Result<(), FlashAttentionError>;
+    fn attend(
+        &self,
+        q: Tensor<4>,
+        options: FlashAttentionOptions,
+    ) -> Result<Tensor<4>, FlashAttentionError>;
+    fn lengths(&self) -> &[usize];
+    fn release(&mut self, seq: usize);
+}
+
+macro_rules! cache {
+    ($cache:ty) => {
+        impl Cache for $cache {
+            fn append_each(
+                &mut self,
+                keys: Tensor<4>,
+                values: Tensor<4>,
+                counts: &[usize],
+            ) -> Result<(), FlashAttentionError> {
+                <$cache>::append_each(self, keys, values, counts)
+            }
+            fn attend(
+                &self,
+                q: Tensor<4>,
+                options: FlashAttentionOptions,
+            ) -> Result<Tensor<4>, FlashAttentionError> {
+                <$cache>::attend(self, q, options)
+            }
+            fn lengths(&self) -> &[usize] {
+                <$cache>::lengths(self)
+            }
+            fn release(&mut self, seq: usize) {
+                <$cache>::release(self, seq)
+            }
+        }
+    };
+}
+cache!(KvCache);
+cache!(PagedKvCache);
+
+/// Which cache a run fills: contiguous, or in pages of this many positions (the pool holds the
+/// capacity of every sequence in pages, and two pages more).
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    Contiguous,
+    Paged(usize),
 }
 
 /// The cache's shape and the query heads.
@@ -31,12 +88,13 @@ struct CacheShape {
     value_dim: usize,
 }
 
-/// Run `steps` on a fresh cache of `shape` on `device` in `dtype`; every attention is judged
-/// by `accept` against the reference. Returns the failures.
+/// Run `steps` on a fresh cache of `shape` and `layout` on `device` in `dtype`; every
+/// attention is judged by `accept` against the reference. Returns the failures.
 fn run(
     device: &Device,
     dtype: DType,
     shape: CacheShape,
+    layout: Layout,
     steps: &[Step],
     seed: u64,
     accept: impl Fn(&Error) -> bool,
@@ -50,12 +108,26 @@ fn run(
         head_dim,
         value_dim,
     } = shape;
-    let mut cache = KvCache::new(
-        [batch, kv_heads, capacity, head_dim],
-        value_dim,
-        dtype,
-        device,
-    );
+    let mut cache: Box<dyn Cache> = match layout {
+        Layout::Contiguous => Box::new(KvCache::new(
+            [batch, kv_heads, capacity, head_dim],
+            value_dim,
+            dtype,
+            device,
+        )),
+        Layout::Paged(page) => Box::new(
+            PagedKvCache::new(
+                batch * capacity.div_ceil(page) + 2,
+                page,
+                batch,
+                [kv_heads, head_dim],
+                value_dim,
+                dtype,
+                device,
+            )
+            .expect("pages of a multiple of 64"),
+        ),
+    };
     // Host copies of each (sequence, key/value head)'s rows, as appended.
     let mut keys = vec![Vec::<f32>::new(); batch * kv_heads];
     let mut values = vec![Vec::<f32>::new(); batch * kv_heads];
@@ -79,6 +151,13 @@ fn run(
                     let count = counts[bh / kv_heads];
                     k_rows.extend_from_slice(&new_k[bh * n * head_dim..][..count * head_dim]);
                     v_rows.extend_from_slice(&new_v[bh * n * value_dim..][..count * value_dim]);
+                }
+            }
+            Step::Release(seq) => {
+                cache.release(seq);
+                for h in 0..kv_heads {
+                    keys[seq * kv_heads + h].clear();
+                    values[seq * kv_heads + h].clear();
                 }
             }
             Step::Attend(n, causal) => {
@@ -109,7 +188,7 @@ fn run(
                 }
                 let err = error(&got, &reference, value_dim);
                 let label = format!(
-                    "{dtype:?} {shape:?} step {index} {step:?} lengths {:?}",
+                    "{dtype:?} {shape:?} {layout:?} step {index} {step:?} lengths {:?}",
                     cache.lengths()
                 );
                 eprintln!("{label}: {err}");
@@ -136,9 +215,9 @@ const EQUAL: &[Step] = &[
     Step::Attend(2, true),
 ];
 
-/// Prompts of 12, 5 and 0 positions (padded to 12), then decoding: lengths that differ take a
-/// mask of each sequence's keys and causal bound; the empty sequence's first query sees only
-/// its own position.
+/// Prompts of 12, 5 and 0 positions (padded to 12), then decoding: lengths that differ take the
+/// fused forward that stops at each sequence's length; the empty sequence's first query sees
+/// only its own position.
 const RAGGED: &[Step] = &[
     Step::Append(12, Some(&[12, 5, 0])),
     Step::Append(1, None),
@@ -150,10 +229,22 @@ const RAGGED: &[Step] = &[
     Step::Attend(1, true),
 ];
 
+/// Sequences longer than a page of 64, then two released mid-run and their slots refilled
+/// (in a paged cache, with pages given back and taken again out of order).
+const RELEASED: &[Step] = &[
+    Step::Append(70, Some(&[70, 9, 66])),
+    Step::Attend(1, true),
+    Step::Release(0),
+    Step::Append(1, None),
+    Step::Attend(1, true),
+    Step::Release(2),
+    Step::Append(30, Some(&[30, 0, 2])),
+    Step::Attend(2, true),
+    Step::Attend(1, false),
+];
+
 mod wgpu {
     use super::*;
-    use burn::tensor::Tensor;
-    use burn_flash::FlashAttentionError;
 
     /// Tolerance of the f32 results, as in `forward_wgpu`.
     const TOLERANCE: f64 = 1e-4;
@@ -174,7 +265,6 @@ mod wgpu {
             head_dim: 32,
             value_dim: 32,
         };
-        failures.extend(run(&device, DType::F32, grouped, EQUAL, 1, accept));
         let ragged = CacheShape {
             batch: 3,
             heads: 2,
@@ -183,12 +273,23 @@ mod wgpu {
             head_dim: 64,
             value_dim: 16,
         };
-        failures.extend(run(&device, DType::F32, ragged, RAGGED, 2, accept));
+        let released = CacheShape {
+            capacity: 110,
+            ..ragged
+        };
+        for layout in [Layout::Contiguous, Layout::Paged(64)] {
+            let run =
+                |shape, steps, seed| run(&device, DType::F32, shape, layout, steps, seed, accept);
+            failures.extend(run(grouped, EQUAL, 1));
+            failures.extend(run(ragged, RAGGED, 2));
+            failures.extend(run(released, RELEASED, 3));
+        }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 
-    /// Appends that do not fit are refused and leave the cache as it was; options whose
-    /// diagonal is per sequence are refused over lengths that differ.
+    /// Appends that do not fit are refused and leave the cache as it was; a paged cache
+    /// refuses pages of other than a multiple of 64 positions and appends past its free
+    /// pages.
     #[test]
     fn bad_appends_and_options_are_refused() {
         let device = Device::wgpu(Default::default());
@@ -218,13 +319,25 @@ mod wgpu {
             Err(FlashAttentionError::CacheOptions(_))
         ));
         assert_eq!(cache.lengths(), &[6, 2]);
+        // A window over lengths that differ is placed on each sequence's own diagonal
+        // (`lengths` tests it against the reference).
         let q = Tensor::<4>::zeros([2, 2, 1, 16], &device);
         let window = FlashAttentionOptions::causal()
             .with_window(burn_flash::AttentionWindow::new(Some(2), None));
+        assert_eq!(cache.attend(q, window).unwrap().dims(), [2, 2, 1, 8]);
         assert!(matches!(
-            cache.attend(q, window),
-            Err(FlashAttentionError::CacheOptions(_))
+            PagedKvCache::new(4, 96, 2, [2, 16], 8, DType::F32, &device),
+            Err(FlashAttentionError::PageSize(96))
         ));
+        let mut paged = PagedKvCache::new(3, 64, 2, [2, 16], 8, DType::F32, &device).unwrap();
+        paged
+            .append_each(new(70, 16), new(70, 8), &[70, 10])
+            .unwrap();
+        assert!(matches!(
+            paged.append(new(60, 16), new(60, 8)),
+            Err(FlashAttentionError::PagesExhausted { free: 0, needed: 2 })
+        ));
+        assert_eq!((paged.lengths(), paged.free_pages()), (&[70, 10][..], 0));
     }
 
     /// The filled part of a cache of equal lengths reaches the kernel as a view, read in
@@ -281,9 +394,15 @@ mod cuda {
             head_dim: 128,
             value_dim: 128,
         };
-        let mut failures = run(&device, DType::BF16, shape(2, 4200), LONG, 3, accept);
-        failures.extend(run(&device, DType::BF16, shape(2, 64), EQUAL, 5, accept));
-        failures.extend(run(&device, DType::BF16, shape(3, 300), RAGGED, 4, accept));
+        let mut failures = Vec::new();
+        for layout in [Layout::Contiguous, Layout::Paged(256)] {
+            let run =
+                |shape, steps, seed| run(&device, DType::BF16, shape, layout, steps, seed, accept);
+            failures.extend(run(shape(2, 4200), LONG, 3));
+            failures.extend(run(shape(2, 64), EQUAL, 5));
+            failures.extend(run(shape(3, 300), RAGGED, 4));
+            failures.extend(run(shape(3, 300), RELEASED, 6));
+        }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 }

@@ -5,6 +5,8 @@
 //!   device (lavapipe in CI), f32, against the f64 reference of `common`.
 //! - `cache`: `KvCache` decoding runs, on wgpu and, with feature `cuda`, on the tensor-core
 //!   tile.
+//! - `lengths`: `try_flash_attention_with_lengths` on each of its paths, on wgpu and, with
+//!   feature `cuda`, on the tensor-core tile.
 //! - `masks`: boolean masks and additive biases, on wgpu (f32, portable tile) and, with feature
 //!   `cuda`, on the tensor-core tile.
 //! - `reliability`: random shapes and options, extreme logits, non-finite inputs and concurrent
@@ -25,6 +27,7 @@ mod cache;
 mod features_wgpu;
 mod forward_cuda;
 mod forward_wgpu;
+mod lengths;
 mod masks;
 mod nn_wgpu;
 mod reliability;

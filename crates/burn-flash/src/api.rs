@@ -401,18 +401,7 @@ fn fused(
     route: &FlashAttentionPlan,
 ) -> (Tensor<4>, Tensor<3>) {
     let value_dim = v.dims()[3];
-    let (q, k, v) = match *route {
-        FlashAttentionPlan::FusedPadded {
-            head_dim,
-            value_dim: padded_value_dim,
-            ..
-        } => (
-            pad_columns(q, head_dim),
-            pad_columns(k, head_dim),
-            pad_columns(v, padded_value_dim),
-        ),
-        _ => (q, k, v),
-    };
+    let (q, k, v) = padded_to(route, q, k, v);
     let forward = <Dispatch as FlashAttentionBackend>::flash_attention_forward(
         q.into_dispatch(),
         k.into_dispatch(),
@@ -427,6 +416,27 @@ fn fused(
         output.narrow(3, 0, value_dim)
     };
     (output, Tensor::from_dispatch(forward.lse))
+}
+
+/// `q`, `k` and `v` with zero columns up to the head dims `route` pads them to, if it does.
+pub(crate) fn padded_to(
+    route: &FlashAttentionPlan,
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+    match *route {
+        FlashAttentionPlan::FusedPadded {
+            head_dim,
+            value_dim,
+            ..
+        } => (
+            pad_columns(q, head_dim),
+            pad_columns(k, head_dim),
+            pad_columns(v, value_dim),
+        ),
+        _ => (q, k, v),
+    }
 }
 
 /// `x` with zero columns appended up to `dim`.
@@ -691,19 +701,30 @@ fn checked(
 }
 
 /// A validated call: the problem the backend sees, the resolved scale and the path.
-struct Plan {
-    problem: FlashAttentionProblem,
-    scale: f64,
-    route: FlashAttentionPlan,
+pub(crate) struct Plan {
+    pub(crate) problem: FlashAttentionProblem,
+    pub(crate) scale: f64,
+    pub(crate) route: FlashAttentionPlan,
 }
 
-fn plan(
+pub(crate) fn plan(
     q: &Tensor<4>,
     k: &Tensor<4>,
     v: &Tensor<4>,
     options: FlashAttentionOptions,
 ) -> Result<Plan, FlashAttentionError> {
     let dtype = validate(q, k, v)?;
+    let problem = FlashAttentionProblem::new(q.dims(), k.dims(), v.dims(), dtype, options.causal);
+    plan_problem(problem, options, &q.device())
+}
+
+/// The plan of a validated problem on `device`: the options checked, the scale resolved, the
+/// path decided.
+pub(crate) fn plan_problem(
+    mut problem: FlashAttentionProblem,
+    options: FlashAttentionOptions,
+    device: &Device,
+) -> Result<Plan, FlashAttentionError> {
     if options.scale.is_some_and(|scale| !positive_f32(scale)) {
         return Err(FlashAttentionError::InvalidScale(
             options.scale.unwrap_or_default(),
@@ -719,8 +740,6 @@ fn plan(
     {
         return Err(FlashAttentionError::InvalidDropout(dropout.prob));
     }
-    let mut problem =
-        FlashAttentionProblem::new(q.dims(), k.dims(), v.dims(), dtype, options.causal);
     let mut scale = options.scale_for(problem.head_dim);
 
     let output_len = problem.batch * problem.heads * problem.seq_q * problem.value_dim;
@@ -737,11 +756,10 @@ fn plan(
         scale = 1.0;
     }
 
-    let device = q.device();
     let forced_padding = crate::testing::head_dims_padded();
-    let route = match flash_attention_support(&device, &problem) {
+    let route = match flash_attention_support(device, &problem) {
         Ok(tile) if !forced_padding => FlashAttentionPlan::Fused(tile),
-        supported => match padded(&device, &problem, forced_padding) {
+        supported => match padded(device, &problem, forced_padding) {
             Some(route) => route,
             None => match supported {
                 Ok(tile) => FlashAttentionPlan::Fused(tile),
@@ -793,6 +811,46 @@ fn positive_f32(value: f64) -> bool {
 
 /// The checks the type system leaves: dtypes, devices, shapes. Returns the common dtype.
 fn validate(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>) -> Result<DType, FlashAttentionError> {
+    let dtype = validate_types(q, k, v)?;
+    let ([qb, qh, _, qdim], [kb, kh, ks, kdim], [vb, vh, vs, _]) = (q.dims(), k.dims(), v.dims());
+    if qb != kb || qb != vb {
+        return Err(FlashAttentionError::BatchMismatch {
+            q: qb,
+            k: kb,
+            v: vb,
+        });
+    }
+    validate_heads(qh, kh, vh, qdim, kdim)?;
+    if ks != vs {
+        return Err(FlashAttentionError::KeyValueLengthMismatch { k: ks, v: vs });
+    }
+    Ok(dtype)
+}
+
+/// Query heads a multiple of the key/value heads (grouped-query attention: each serves
+/// `q / kv` of them), `k` and `v` with as many, `q` and `k` with the same head dim.
+pub(crate) fn validate_heads(
+    q: usize,
+    k: usize,
+    v: usize,
+    q_dim: usize,
+    k_dim: usize,
+) -> Result<(), FlashAttentionError> {
+    if k != v || (k == 0 && q != 0) || (k != 0 && !q.is_multiple_of(k)) {
+        return Err(FlashAttentionError::HeadsMismatch { q, k, v });
+    }
+    if q_dim != k_dim {
+        return Err(FlashAttentionError::HeadDimMismatch { q: q_dim, k: k_dim });
+    }
+    Ok(())
+}
+
+/// One dtype of the three, f16, bf16 or f32, and one device. Returns the dtype.
+pub(crate) fn validate_types(
+    q: &Tensor<4>,
+    k: &Tensor<4>,
+    v: &Tensor<4>,
+) -> Result<DType, FlashAttentionError> {
     let (qt, kt, vt) = (q.dtype(), k.dtype(), v.dtype());
     if qt != kt || qt != vt {
         return Err(FlashAttentionError::DTypeMismatch {
@@ -814,28 +872,6 @@ fn validate(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>) -> Result<DType, FlashA
         });
     }
 
-    let ([qb, qh, _, qdim], [kb, kh, ks, kdim], [vb, vh, vs, _]) = (q.dims(), k.dims(), v.dims());
-    if qb != kb || qb != vb {
-        return Err(FlashAttentionError::BatchMismatch {
-            q: qb,
-            k: kb,
-            v: vb,
-        });
-    }
-    // Grouped-query attention: each key/value head serves `qh / kh` query heads.
-    if kh != vh || (kh == 0 && qh != 0) || (kh != 0 && !qh.is_multiple_of(kh)) {
-        return Err(FlashAttentionError::HeadsMismatch {
-            q: qh,
-            k: kh,
-            v: vh,
-        });
-    }
-    if qdim != kdim {
-        return Err(FlashAttentionError::HeadDimMismatch { q: qdim, k: kdim });
-    }
-    if ks != vs {
-        return Err(FlashAttentionError::KeyValueLengthMismatch { k: ks, v: vs });
-    }
     Ok(qt)
 }
 

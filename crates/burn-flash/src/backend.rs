@@ -1,6 +1,6 @@
 //! The backend extension trait: what a backend implements to run the fused attention.
 
-use burn::backend::tensor::{BoolTensor, FloatTensor};
+use burn::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn::backend::{Backend, ExtensionType, backend_extension};
 use burn::tensor::DType;
 
@@ -162,6 +162,31 @@ impl<B: Backend> ScoreInputs<B> {
     }
 }
 
+/// Which keys of `k` and `v` each sequence holds in a cache, for
+/// [`FlashAttentionBackend::flash_attention_forward_cached`]: integer tensors on the device.
+///
+/// # Example
+///
+/// ```
+/// use burn::backend::tensor::IntTensor;
+/// use burn_flash::{FlashAttentionBackend, KeyCache};
+///
+/// fn paged<B: FlashAttentionBackend>(lengths: IntTensor<B>, table: IntTensor<B>) -> KeyCache<B> {
+///     KeyCache::Paged(lengths, table)
+/// }
+/// ```
+#[derive(ExtensionType, Clone, Debug)]
+pub enum KeyCache<B: Backend> {
+    /// `k: [batch, kv_heads, seq_k, head_dim]` and `v` alike; sequence `b` holds its first
+    /// `lengths[b]` rows (`lengths: [batch]`).
+    Lengths(IntTensor<B>),
+    /// `k: [pages, page_size, kv_heads, head_dim]` and `v` alike (the layout of vLLM and
+    /// FlashAttention-2); sequence `b` holds its first `lengths[b]` keys (`lengths: [batch]`),
+    /// its keys `p · page_size ..` in page `block_table[b, p]` (`block_table: [batch, pages
+    /// per sequence]`). `page_size` is a multiple of 64.
+    Paged(IntTensor<B>, IntTensor<B>),
+}
+
 /// What the fused forward returns.
 #[derive(ExtensionType, Clone, Debug)]
 pub struct FlashAttentionForward<B: Backend> {
@@ -253,6 +278,26 @@ pub trait FlashAttentionBackend: Backend {
         #[extension_type] inputs: ScoreInputs<Self>,
         options: FlashAttentionOptions,
     ) -> FlashAttentionForward<Self>;
+
+    /// Run the fused forward over a cache: keys and values of which sequence `b` holds only its
+    /// first `lengths[b]` positions (a length past the keys it can hold counts as all of them),
+    /// in rows of its own or in pages ([`KeyCache`]). The causal diagonal, a window and ALiBi's
+    /// distances are placed on each sequence's own length (bottom-right: its last query sits on
+    /// its last key). Returns the output `[batch, heads, seq_q, value_dim]`; rows that see no
+    /// key are 0.
+    ///
+    /// For inference: no gradient flows through it (on an autodiff backend the output is not
+    /// tracked); [`try_flash_attention_with_lengths`](crate::try_flash_attention_with_lengths)
+    /// takes a masked, differentiable path where an input requires a gradient. Low level, like
+    /// [`flash_attention_forward`](Self::flash_attention_forward): the inputs must be valid and
+    /// supported.
+    fn flash_attention_forward_cached(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        #[extension_type] keys: KeyCache<Self>,
+        options: FlashAttentionOptions,
+    ) -> FloatTensor<Self>;
 
     /// Gradients of the fused attention with respect to `q`, `k` and `v` (and the bias when
     /// `bias_grad`), given the forward's `inputs`, `output` and `lse` and the gradient of the

@@ -2,10 +2,11 @@
 //! sequence, new positions written in place, and the filled part attended by the fused kernel as
 //! a view (no copy of the cache per call).
 
-use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData, s};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData, s};
 
-use crate::api::{AttentionMask, try_flash_attention, try_flash_attention_masked};
+use crate::api::try_flash_attention;
 use crate::error::FlashAttentionError;
+use crate::lengths::try_flash_attention_with_lengths;
 use crate::options::FlashAttentionOptions;
 
 /// Keys `[batch, kv_heads, capacity, head_dim]` and values `[batch, kv_heads, capacity,
@@ -17,8 +18,9 @@ use crate::options::FlashAttentionOptions;
 /// filled part, causal per sequence where the options are causal. Where every sequence has the
 /// same length the filled part is passed to [`flash_attention`](crate::flash_attention) as a
 /// view (grouped query heads packed into one block's rows and the keys split across cubes where
-/// the plan chooses); with lengths that differ, the keys past each sequence's length and the
-/// causal bound of each are one boolean mask.
+/// the plan chooses); with lengths that differ, through
+/// [`try_flash_attention_with_lengths`](crate::try_flash_attention_with_lengths), whose fused
+/// forward stops at each sequence's length, with the same fast paths.
 ///
 /// # Example
 ///
@@ -42,9 +44,7 @@ use crate::options::FlashAttentionOptions;
 /// ```
 #[derive(Debug)]
 pub struct KvCache {
-    /// Taken out while an append writes into it, so that the write can reuse the buffer.
-    keys: Option<Tensor<4>>,
-    values: Option<Tensor<4>>,
+    buffers: Buffers,
     lengths: Vec<usize>,
 }
 
@@ -59,8 +59,7 @@ impl KvCache {
     ) -> Self {
         let zeros = |dim| Tensor::zeros([batch, kv_heads, capacity, dim], (device, dtype));
         Self {
-            keys: Some(zeros(head_dim)),
-            values: Some(zeros(value_dim)),
+            buffers: Buffers::new(zeros(head_dim), zeros(value_dim)),
             lengths: vec![0; batch],
         }
     }
@@ -94,7 +93,7 @@ impl KvCache {
     /// assert_eq!(cache.capacity(), 256);
     /// ```
     pub fn capacity(&self) -> usize {
-        self.keys().dims()[2]
+        self.buffers.keys().dims()[2]
     }
 
     /// Forget every sequence's positions (the buffers are kept).
@@ -113,6 +112,25 @@ impl KvCache {
     /// ```
     pub fn clear(&mut self) {
         self.lengths.fill(0);
+    }
+
+    /// Forget sequence `seq`'s positions, so that its slot takes a new sequence with the next
+    /// append (continuous batching); the other sequences keep theirs.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # use burn::tensor::{DType, Device, Tensor};
+    /// # use burn_flash::KvCache;
+    /// # let device = Device::wgpu(Default::default());
+    /// let mut cache = KvCache::new([2, 1, 16, 8], 8, DType::F32, &device);
+    /// let new = || Tensor::<4>::zeros([2, 1, 3, 8], &device);
+    /// cache.append(new(), new()).unwrap();
+    /// cache.release(0);
+    /// assert_eq!(cache.lengths(), &[0, 3]);
+    /// ```
+    pub fn release(&mut self, seq: usize) {
+        self.lengths[seq] = 0;
     }
 
     /// Write `keys: [batch, kv_heads, n, head_dim]` and `values: [batch, kv_heads, n,
@@ -163,27 +181,22 @@ impl KvCache {
         values: Tensor<4>,
         counts: &[usize],
     ) -> Result<(), FlashAttentionError> {
-        let cache = self.keys().dims();
-        let value_dim = self.values().dims()[3];
+        let cache = self.buffers.keys().dims();
+        let value_dim = self.buffers.values().dims()[3];
         let n = keys.dims()[2];
         check_new(
             "keys",
-            self.keys(),
+            self.buffers.keys(),
             &keys,
             [cache[0], cache[1], n, cache[3]],
         )?;
         check_new(
             "values",
-            self.values(),
+            self.buffers.values(),
             &values,
             [cache[0], cache[1], n, value_dim],
         )?;
-        if counts.len() != cache[0] || counts.iter().any(|&count| count > n) {
-            return Err(FlashAttentionError::CacheOptions(format!(
-                "counts {counts:?} of new positions to blocks of {n} for {} sequences",
-                cache[0]
-            )));
-        }
+        check_counts(counts, cache[0], n)?;
         let needed = (self.lengths.iter().zip(counts))
             .map(|(len, count)| len + count)
             .max()
@@ -194,7 +207,7 @@ impl KvCache {
                 needed,
             });
         }
-        let (mut all_keys, mut all_values) = self.take();
+        let (mut all_keys, mut all_values) = self.buffers.take();
         let start = self.lengths.first().copied().unwrap_or(0);
         if self.lengths.iter().all(|&len| len == start) && counts.iter().all(|&c| c == n) {
             all_keys = all_keys.slice_assign(s![.., .., start..start + n], keys);
@@ -210,8 +223,7 @@ impl KvCache {
                 all_values = all_values.slice_assign(at, values.clone().slice(new));
             }
         }
-        self.keys = Some(all_keys);
-        self.values = Some(all_values);
+        self.buffers.put(all_keys, all_values);
         for (len, count) in self.lengths.iter_mut().zip(counts) {
             *len += count;
         }
@@ -223,8 +235,9 @@ impl KvCache {
     /// of the cache's key/value heads (grouped-query attention). With `options.causal` the query
     /// at position `p` of a sequence sees its keys up to `p` (bottom-right, per sequence);
     /// without, every key of its sequence. The other options apply as in
-    /// [`flash_attention`](crate::flash_attention); where the lengths differ, a window, ALiBi and
-    /// the top-left alignment are refused (their diagonals are per sequence).
+    /// [`flash_attention`](crate::flash_attention), each on its sequence's own diagonal; where
+    /// the lengths differ and a gradient is needed (or the fused kernel cannot run the inputs),
+    /// ALiBi is refused ([`try_flash_attention_with_lengths`](crate::try_flash_attention_with_lengths)).
     ///
     /// # Example
     ///
@@ -247,29 +260,16 @@ impl KvCache {
     ) -> Result<Tensor<4>, FlashAttentionError> {
         let longest = self.lengths.iter().max().copied().unwrap_or(0);
         let filled = |t: &Tensor<4>| t.clone().slice(s![.., .., 0..longest]);
-        let (keys, values) = (filled(self.keys()), filled(self.values()));
+        let (keys, values) = (filled(self.buffers.keys()), filled(self.buffers.values()));
         if self.lengths.iter().all(|&len| len == longest) {
             return try_flash_attention(q, keys, values, options);
         }
-        if options.window.is_some()
-            || options.alibi
-            || options.causal_alignment != burn::tensor::ops::CausalAlignment::BottomRight
-        {
-            return Err(FlashAttentionError::CacheOptions(
-                "a window, ALiBi or the top-left alignment over sequences of different lengths"
-                    .into(),
-            ));
-        }
-        let n = q.dims()[2];
-        let mask = visible_keys(&self.lengths, n, longest, options.causal, &q.device());
-        try_flash_attention_masked(
-            q,
-            keys,
-            values,
-            Some(AttentionMask::Full(mask)),
-            None,
-            options.with_causal(false),
-        )
+        let lengths: Vec<u32> = self.lengths.iter().map(|&len| len as u32).collect();
+        let lengths = Tensor::<1, Int>::from_data(
+            TensorData::new(lengths, [self.lengths.len()]),
+            &q.device(),
+        );
+        try_flash_attention_with_lengths(q, keys, values, lengths, options)
     }
 
     /// [`append`](Self::append) the newest positions' keys and values, then
@@ -300,31 +300,68 @@ impl KvCache {
         self.append(keys, values)?;
         self.attend(q, options)
     }
+}
 
-    fn keys(&self) -> &Tensor<4> {
+/// A cache's keys and values, taken out while an append writes into them, so that the write
+/// can reuse their buffers.
+#[derive(Debug)]
+pub(crate) struct Buffers {
+    keys: Option<Tensor<4>>,
+    values: Option<Tensor<4>>,
+}
+
+impl Buffers {
+    pub(crate) fn new(keys: Tensor<4>, values: Tensor<4>) -> Self {
+        Self {
+            keys: Some(keys),
+            values: Some(values),
+        }
+    }
+
+    pub(crate) fn keys(&self) -> &Tensor<4> {
         self.keys
             .as_ref()
             .expect("the keys are back after every append")
     }
 
-    fn values(&self) -> &Tensor<4> {
+    pub(crate) fn values(&self) -> &Tensor<4> {
         self.values
             .as_ref()
             .expect("the values are back after every append")
     }
 
-    /// The buffers, owned, so that writing into them need not copy them.
-    fn take(&mut self) -> (Tensor<4>, Tensor<4>) {
+    /// The buffers, owned, so that writing into them need not copy them; [`put`](Self::put)
+    /// gives them back.
+    pub(crate) fn take(&mut self) -> (Tensor<4>, Tensor<4>) {
         let taken = (self.keys.take(), self.values.take());
         (
             taken.0.expect("the keys are back after every append"),
             taken.1.expect("the values are back after every append"),
         )
     }
+
+    pub(crate) fn put(&mut self, keys: Tensor<4>, values: Tensor<4>) {
+        (self.keys, self.values) = (Some(keys), Some(values));
+    }
+}
+
+/// Check the counts of an `append_each`: one per sequence of `batch`, none past the `n` new
+/// positions.
+pub(crate) fn check_counts(
+    counts: &[usize],
+    batch: usize,
+    n: usize,
+) -> Result<(), FlashAttentionError> {
+    if counts.len() != batch || counts.iter().any(|&count| count > n) {
+        return Err(FlashAttentionError::CacheOptions(format!(
+            "counts {counts:?} of new positions to blocks of {n} for {batch} sequences"
+        )));
+    }
+    Ok(())
 }
 
 /// Check a new block of keys or values against the cache it goes into.
-fn check_new(
+pub(crate) fn check_new(
     input: &'static str,
     cache: &Tensor<4>,
     new: &Tensor<4>,
@@ -345,32 +382,4 @@ fn check_new(
         });
     }
     Ok(())
-}
-
-/// `[batch, 1, n, keys]`, `true` where a query does not see a key: the keys past its sequence's
-/// length, and with `causal` those after its own position (the last `n` of the sequence).
-fn visible_keys(
-    lengths: &[usize],
-    n: usize,
-    keys: usize,
-    causal: bool,
-    device: &Device,
-) -> Tensor<4, Bool> {
-    // The first key each query does not see, one per (sequence, query).
-    let bounds: Vec<i64> = lengths
-        .iter()
-        .flat_map(|&len| {
-            (0..n).map(move |i| match causal {
-                true => (len + i + 1).saturating_sub(n) as i64,
-                false => len as i64,
-            })
-        })
-        .collect();
-    let shape = [lengths.len(), 1, n, keys];
-    let bounds = Tensor::<2, Int>::from_data(TensorData::new(bounds, [lengths.len(), n]), device);
-    let positions = Tensor::<1, Int>::arange(0..keys as i64, device);
-    positions
-        .reshape([1, 1, 1, keys])
-        .expand(shape)
-        .greater_equal(bounds.reshape([lengths.len(), 1, n, 1]).expand(shape))
 }

@@ -111,9 +111,10 @@ pub enum FlashAttentionError {
         /// The dtype of the bias.
         got: DType,
     },
-    /// The mask or the bias is not on the device of `q`, `k` and `v` (as `Debug` text).
+    /// The mask, the bias or the key lengths are not on the device of `q`, `k` and `v` (as
+    /// `Debug` text).
     InputDevice {
-        /// `"mask"` or `"bias"`.
+        /// `"mask"`, `"bias"`, `"key lengths"` or `"block table"`.
         input: &'static str,
         /// The device of `q`.
         expected: String,
@@ -149,6 +150,43 @@ pub enum FlashAttentionError {
     },
     /// An option a [`KvCache`](crate::KvCache) cannot apply to its sequences (what and why).
     CacheOptions(String),
+    /// The key lengths of
+    /// [`try_flash_attention_with_lengths`](crate::try_flash_attention_with_lengths) are not
+    /// `[batch]`.
+    KeyLengthsShape {
+        /// The batch size of `q`, `k` and `v`.
+        expected: usize,
+        /// The lengths' size.
+        got: usize,
+    },
+    /// An option per-sequence key lengths cannot apply on the path the call takes (what and
+    /// where).
+    KeyLengthsOptions(String),
+    /// The key and value pages of
+    /// [`try_flash_attention_paged`](crate::try_flash_attention_paged) differ in their count,
+    /// size or heads (`[pages, page_size, kv_heads, dim]`).
+    PagesShape {
+        /// The keys' shape.
+        k: Vec<usize>,
+        /// The values' shape.
+        v: Vec<usize>,
+    },
+    /// A page's size is not a positive multiple of 64 keys (a page holds whole key blocks).
+    PageSize(usize),
+    /// The block table is not `[batch, pages per sequence]`.
+    BlockTableShape {
+        /// The batch size of `q`.
+        expected: usize,
+        /// The table's shape.
+        got: Vec<usize>,
+    },
+    /// A [`PagedKvCache`](crate::PagedKvCache) has too few free pages for an append.
+    PagesExhausted {
+        /// Pages free.
+        free: usize,
+        /// Pages the append needs.
+        needed: usize,
+    },
 }
 
 impl fmt::Display for FlashAttentionError {
@@ -238,6 +276,30 @@ impl fmt::Display for FlashAttentionError {
             Self::CacheOptions(what) => {
                 write!(f, "a key/value cache cannot apply {what}")
             }
+            Self::KeyLengthsShape { expected, got } => write!(
+                f,
+                "the key lengths must be [{expected}] (one per sequence), got [{got}]"
+            ),
+            Self::KeyLengthsOptions(what) => {
+                write!(f, "per-sequence key lengths cannot apply {what}")
+            }
+            Self::PagesShape { k, v } => write!(
+                f,
+                "key and value pages must have the same count, size and heads \
+                 ([pages, page_size, kv_heads, dim]), got k {k:?} and v {v:?}"
+            ),
+            Self::PageSize(size) => write!(
+                f,
+                "a page must hold a positive multiple of 64 keys, got {size}"
+            ),
+            Self::BlockTableShape { expected, got } => write!(
+                f,
+                "the block table must be [{expected}, pages per sequence], got {got:?}"
+            ),
+            Self::PagesExhausted { free, needed } => write!(
+                f,
+                "the paged cache has {free} free pages, the append needs {needed}"
+            ),
         }
     }
 }

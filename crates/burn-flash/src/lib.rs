@@ -47,8 +47,10 @@ mod backends {
 }
 mod error;
 pub mod kernel;
+mod lengths;
 pub mod nn;
 mod options;
+mod paged;
 mod support;
 #[doc(hidden)]
 pub mod testing;
@@ -60,12 +62,14 @@ pub use api::{
 };
 pub use backend::{
     BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads,
-    FlashAttentionProblem, ScoreInputs,
+    FlashAttentionProblem, KeyCache, ScoreInputs,
 };
 pub use cache::KvCache;
 pub use error::FlashAttentionError;
 pub use kernel::TilePath;
+pub use lengths::{try_flash_attention_paged, try_flash_attention_with_lengths};
 pub use options::{
     AttentionDropout, AttentionWindow, CausalAlignment, FlashAttentionOptions, alibi_slopes,
 };
+pub use paged::PagedKvCache;
 pub use support::{flash_attention_backward_support, flash_attention_support};

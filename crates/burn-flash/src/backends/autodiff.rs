@@ -12,7 +12,8 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
 use crate::backend::{
-    BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, ScoreInputs,
+    BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, KeyCache,
+    ScoreInputs,
 };
 use crate::options::FlashAttentionOptions;
 
@@ -121,6 +122,29 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
             None => record!(3, [q_node, k_node, v_node]),
         };
         FlashAttentionForward { output, lse }
+    }
+
+    /// The inner backend's output, untracked: the forward over a cache is for inference.
+    fn flash_attention_forward_cached(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        keys: KeyCache<Self>,
+        options: FlashAttentionOptions,
+    ) -> FloatTensor<Self> {
+        // Integer tensors carry no graph: the inner backend's are the same.
+        let keys = match keys {
+            KeyCache::Lengths(lengths) => KeyCache::Lengths(lengths),
+            KeyCache::Paged(lengths, table) => KeyCache::Paged(lengths, table),
+        };
+        let output = B::flash_attention_forward_cached(
+            q.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            keys,
+            options,
+        );
+        <Self as AutodiffBackend>::from_inner(output)
     }
 
     /// The gradients of the inner backend, as untracked tensors (no second-order graph).

@@ -4,15 +4,16 @@
 
 use burn::backend::TensorMetadata;
 use burn::backend::ops::FloatTensorOps;
-use burn::backend::tensor::{BoolTensor, FloatTensor};
+use burn::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn::tensor::{BoolStore, DType};
 use burn_backend::cubecl::{dtype_to_elem_type, elem_type_to_dtype};
-use burn_cubecl::kernel::bool_cast;
+use burn_cubecl::kernel::{bool_cast, cast};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeDevice};
 
 use crate::backend::{
-    BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, ScoreInputs,
+    BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, KeyCache,
+    ScoreInputs,
 };
 use crate::kernel::{self, KernelTensor};
 use crate::options::FlashAttentionOptions;
@@ -73,12 +74,60 @@ impl FlashAttentionBackend for CubeBackend {
             to_kernel(k),
             to_kernel(v),
             kernel_inputs(inputs),
+            None,
             params,
         );
         FlashAttentionForward {
             output: from_kernel(output, &device),
             lse: from_kernel(lse, &device),
         }
+    }
+
+    fn flash_attention_forward_cached(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        keys: KeyCache<Self>,
+        options: FlashAttentionOptions,
+    ) -> FloatTensor<Self> {
+        // The kernel reads u32 lengths (those past the keys count as all of them) and tables.
+        let unsigned = |t: IntTensor<Self>| match t.dtype {
+            DType::U32 => t,
+            _ => cast(t, DType::U32),
+        };
+        // Pages `[pages, page_size, kv_heads, dim]` are read as `[pages, kv_heads, page_size,
+        // dim]`, in place.
+        let (k, v, cached, seq_k) = match keys {
+            KeyCache::Lengths(lengths) => {
+                let seq_k = k.shape()[2];
+                (k, v, (lengths, None), seq_k)
+            }
+            KeyCache::Paged(lengths, table) => {
+                let seq_k = table.shape()[1] * k.shape()[1];
+                let (k, v) = (
+                    Self::float_swap_dims(k, 1, 2),
+                    Self::float_swap_dims(v, 1, 2),
+                );
+                (k, v, (lengths, Some(table)), seq_k)
+            }
+        };
+        let shape = q.shape();
+        let params = kernel::ScoreParams::new(&options, shape[1], shape[3], shape[2], seq_k)
+            .with_key_lengths(&options);
+        let device = q.device.clone();
+        let cached = kernel::CachedKeys {
+            lengths: to_kernel(unsigned(cached.0)),
+            block_table: cached.1.map(|table| to_kernel(unsigned(table))),
+        };
+        let (output, _) = kernel::forward(
+            to_kernel(q),
+            to_kernel(k),
+            to_kernel(v),
+            kernel::ScoreInputs::new(None, None),
+            Some(cached),
+            params,
+        );
+        from_kernel(output, &device)
     }
 
     fn flash_attention_backward(

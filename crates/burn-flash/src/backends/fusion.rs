@@ -13,13 +13,15 @@ use burn_fusion::custom::{
 use burn_fusion::{ExecutionError, Fusion, FusionBackend, FusionRuntime};
 
 use crate::backend::{
-    BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, ScoreInputs,
+    BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, KeyCache,
+    ScoreInputs,
 };
 use crate::options::FlashAttentionOptions;
 
 /// Names of the custom operations in the fusion stream.
 const FORWARD_OP: &str = "burn_flash::flash_attention_forward";
 const BACKWARD_OP: &str = "burn_flash::flash_attention_backward";
+const CACHED_OP: &str = "burn_flash::flash_attention_forward_cached";
 
 /// Which per-score inputs follow `q`, `k`, `v` (and, in the backward, the output, the
 /// log-sum-exp and its gradient) in a custom operation's inputs: the mask, then the bias.
@@ -87,6 +89,38 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for F
         );
         handles.register_float_tensor::<B>(&outputs[0].id, forward.output);
         handles.register_float_tensor::<B>(&outputs[1].id, forward.lse);
+        Ok(())
+    }
+}
+
+/// The lazy forward over a cache: inputs `[q, k, v, lengths, block_table?]`, output
+/// `[output]`.
+#[derive(Debug)]
+struct CachedOp<B> {
+    desc: CustomOpIr,
+    options: FlashAttentionOptions,
+    _backend: PhantomData<B>,
+}
+
+impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for CachedOp<B> {
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+    ) -> Result<(), ExecutionError> {
+        let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
+        let lengths = handles.get_int_tensor::<B>(&inputs[3]);
+        let keys = match inputs.get(4) {
+            Some(table) => KeyCache::Paged(lengths, handles.get_int_tensor::<B>(table)),
+            None => KeyCache::Lengths(lengths),
+        };
+        let output = B::flash_attention_forward_cached(
+            handles.get_float_tensor::<B>(&inputs[0]),
+            handles.get_float_tensor::<B>(&inputs[1]),
+            handles.get_float_tensor::<B>(&inputs[2]),
+            keys,
+            self.options,
+        );
+        handles.register_float_tensor::<B>(&outputs[0].id, output);
         Ok(())
     }
 }
@@ -171,6 +205,40 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
             unreachable!("the forward registers two outputs");
         };
         FlashAttentionForward { output, lse }
+    }
+
+    fn flash_attention_forward_cached(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        keys: KeyCache<Self>,
+        options: FlashAttentionOptions,
+    ) -> FloatTensor<Self> {
+        let client = q.client.clone();
+        let [batch, heads, seq_q, _] = q.shape().dims::<4>();
+        let output = TensorIr::uninit(
+            client.create_empty_handle(),
+            Shape::new([batch, heads, seq_q, v.shape()[3]]),
+            q.dtype,
+        );
+        let mut irs = vec![q.into_ir(), k.into_ir(), v.into_ir()];
+        match keys {
+            KeyCache::Lengths(lengths) => irs.push(lengths.into_ir()),
+            KeyCache::Paged(lengths, table) => irs.extend([lengths.into_ir(), table.into_ir()]),
+        }
+        let desc = CustomOpIr::new(CACHED_OP, &irs, &[output]);
+        let op = CachedOp::<B> {
+            desc: desc.clone(),
+            options,
+            _backend: PhantomData,
+        };
+        let mut outputs = client
+            .register(StreamId::current(), OperationIr::Custom(desc), op)
+            .into_iter();
+        let (Some(output), None) = (outputs.next(), outputs.next()) else {
+            unreachable!("the forward over a cache registers one output");
+        };
+        output
     }
 
     fn flash_attention_backward(

@@ -24,14 +24,28 @@ pub struct Band {
 
 #[cube]
 impl Band {
-    /// The band of queries `q` over keys `k` (`[batch, heads, seq, dim]`) with these offsets.
-    pub fn new<E: Float>(q: &Tensor<E>, k: &Tensor<E>, left: u32, right: u32) -> Band {
+    /// The band of `seq_q` queries over `seq_k` keys with these offsets.
+    pub fn new(seq_q: usize, seq_k: usize, left: u32, right: u32) -> Band {
         Band {
-            seq_q: q.shape(2),
-            seq_k: k.shape(2),
+            seq_q,
+            seq_k,
             left: left as usize,
             right: right as usize,
         }
+    }
+
+    /// This band with the keys cut to sequence `batch`'s length in `key_lengths` (`[b]`, how
+    /// many leading keys of each sequence exist: a cache's filled part), where given. Lengths
+    /// past the keys' rows count as all of them, so no row outside the tensor is read. The
+    /// bottom-right diagonal moves with the length: a sequence's last query sits on its last
+    /// key.
+    pub fn of_sequence(self, key_lengths: ComptimeOption<&Tensor<u32>>, batch: usize) -> Band {
+        let mut band = self;
+        #[comptime]
+        if let ComptimeOption::Some(lengths) = key_lengths {
+            band.seq_k = min(usize::cast_from(lengths[batch]), band.seq_k);
+        }
+        band
     }
 }
 

@@ -146,6 +146,12 @@ pub struct TileConfig {
     /// partial output and log-sum-exp of its share of the key blocks as head
     /// `split · heads + head` of its outputs, which [`combine`](super::forward::combine) merges.
     pub kv_split: Switch,
+    /// The forward reads each sequence's key length from an input (`[b]`: a cache's filled
+    /// parts of different lengths), which ends its band ([`Band::of_sequence`](super::band::Band)).
+    pub key_lengths: Switch,
+    /// The forward reads keys and values from the pages a block table maps each sequence's key
+    /// blocks to ([`pages`](super::forward::pages)).
+    pub paged: Switch,
 }
 
 /// A comptime switch that joins a configuration's hash only when on. CubeCL names each kernel's
@@ -277,6 +283,8 @@ impl TileConfig {
             batch_inner: false,
             tail: TailPart::All,
             kv_split: Switch(false),
+            key_lengths: Switch(false),
+            paged: Switch(false),
         }
     }
 
@@ -306,6 +314,8 @@ impl TileConfig {
             batch_inner: false,
             tail: TailPart::All,
             kv_split: Switch(false),
+            key_lengths: Switch(false),
+            paged: Switch(false),
         }
     }
 
@@ -360,6 +370,22 @@ impl TileConfig {
     pub fn with_kv_split(self) -> Self {
         Self {
             kv_split: Switch(true),
+            ..self
+        }
+    }
+
+    /// These blocks reading per-sequence key lengths ([`key_lengths`](Self::key_lengths)).
+    pub fn with_key_lengths(self) -> Self {
+        Self {
+            key_lengths: Switch(true),
+            ..self
+        }
+    }
+
+    /// These blocks reading a paged cache ([`paged`](Self::paged)).
+    pub fn with_pages(self) -> Self {
+        Self {
+            paged: Switch(true),
             ..self
         }
     }
@@ -906,6 +932,22 @@ impl ScoreParams {
     pub fn with_pack_groups(self, pack: bool) -> Self {
         Self {
             pack_groups: pack,
+            ..self
+        }
+    }
+
+    /// These parameters for keys cut to per-sequence lengths
+    /// ([`forward`](crate::kernel::forward)'s `key_lengths`): where `options` align top-left,
+    /// the alignment is kept even where the padded `seq_k` equals `seq_q`, since a shorter
+    /// sequence's bottom-right diagonal lies elsewhere.
+    pub fn with_key_lengths(self, options: &crate::options::FlashAttentionOptions) -> Self {
+        let top_left = options.causal_alignment == burn::tensor::ops::CausalAlignment::TopLeft
+            && (self.mask.left || self.mask.right || self.alibi_pow2.is_some());
+        Self {
+            mask: MaskConfig {
+                top_left: Switch(top_left),
+                ..self.mask
+            },
             ..self
         }
     }

@@ -35,4 +35,4 @@ pub use backward::{Grads, backward, backward_support};
 pub use config::{ScoreParams, TilePath};
 pub use device::tensor_core_dim;
 pub use forward::{forward, support};
-pub use tensors::{KernelTensor, ScoreInputs};
+pub use tensors::{CachedKeys, KernelTensor, ScoreInputs};

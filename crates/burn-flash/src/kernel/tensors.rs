@@ -188,6 +188,18 @@ impl KernelTensor {
         }
     }
 
+    /// This tensor read in place where its rows (the last dim) are contiguous and its start and
+    /// every stride are whole 16-byte units, whatever the order of its other dims (a paged
+    /// cache's `[pages, page_size, heads, dim]` read as `[pages, heads, page_size, dim]`); else
+    /// a contiguous copy.
+    pub fn into_aligned_rows(self) -> Self {
+        if tma_aligned(&self) {
+            self
+        } else {
+            self.into_contiguous()
+        }
+    }
+
     /// This tensor, copied into a contiguous one where it is not.
     pub fn into_contiguous(self) -> Self {
         if self.is_contiguous() {
@@ -289,6 +301,18 @@ fn broadcast_view(mut input: KernelTensor) -> KernelTensor {
         stride *= size;
     }
     input.into_contiguous()
+}
+
+/// The keys of a cache as the forward reads them ([`forward`](crate::kernel::forward)): each
+/// sequence's length, and in a paged cache the block table.
+#[derive(Clone, Debug)]
+pub struct CachedKeys {
+    /// `[b]` u32: the keys sequence `b` holds (a length past the keys' rows counts as all of
+    /// them).
+    pub lengths: KernelTensor,
+    /// `[b, pages per sequence]` u32: the page holding each run of `page_size` keys of a
+    /// sequence, where K and V are paged, `[pages, kv_heads, page_size, dim]`.
+    pub block_table: Option<KernelTensor>,
 }
 
 /// What the plans need to know of one score input.

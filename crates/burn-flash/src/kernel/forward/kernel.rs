@@ -3,7 +3,10 @@
 //! edge to the causal diagonal; with a packed mask, only from the first block the mask lets it
 //! see to the last, skipping those it hides wholly), and writes the normalised output and the
 //! per-row log-sum-exp.
-//! Grouped-query attention reads the key/value head `head / group` of its query head. A mask or
+//! Grouped-query attention reads the key/value head `head / group` of its query head. With
+//! per-sequence key lengths (a cache's filled parts), each sequence's band ends at its length;
+//! with a block table, its key blocks are read from the pages the table maps them to.
+//! A mask or
 //! bias input is read where each score register sits ([`inputs`](crate::kernel::inputs)); dropout drops
 //! probabilities after the softmax statistics saw them, so the normaliser and the log-sum-exp
 //! are those of the full row.
@@ -11,6 +14,7 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
+use super::pages::{block_rows, key_capacity};
 use crate::kernel::band::{Band, kv_blocks};
 use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TileConfig, TilePath};
 use crate::kernel::dropout::{Dropout, keep_mask};
@@ -69,6 +73,8 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     mask: ComptimeOption<&Tensor<M>>,
     hidden_blocks: ComptimeOption<&Tensor<u32>>,
     bias: ComptimeOption<&Tensor<E>>,
+    key_lengths: ComptimeOption<&Tensor<u32>>,
+    block_table: ComptimeOption<&Tensor<u32>>,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
     scale: f32,
@@ -105,7 +111,13 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         k_base: batch * k.stride(0) + kv_head * k.stride(1),
         v_base: batch * v.stride(0) + kv_head * v.stride(1),
         q_start: block * cfg.block_q,
-        band: Band::new(q, k, band_left, band_right),
+        band: Band::new(
+            q.shape(2),
+            key_capacity(k, block_table),
+            band_left,
+            band_right,
+        )
+        .of_sequence(key_lengths, batch),
         softcap: Softcap::new(scale, softcap),
         views: Views::new::<E, M>(mask, bias, batch, head),
         hidden_row: hidden_row(hidden_blocks, batch, head, block),
@@ -149,6 +161,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
             mask,
             hidden_blocks,
             bias,
+            block_table,
             coords,
             first,
             end,
@@ -159,7 +172,19 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         )
     } else {
         kv_loop::<E, M, T>(
-            q, k, v, mask, bias, coords, first, end, scale, &mut stats, &mut acc, cfg,
+            q,
+            k,
+            v,
+            mask,
+            bias,
+            block_table,
+            coords,
+            first,
+            end,
+            scale,
+            &mut stats,
+            &mut acc,
+            cfg,
         )
     };
 
@@ -333,6 +358,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     mask: ComptimeOption<&Tensor<M>>,
     hidden_blocks: ComptimeOption<&Tensor<u32>>,
     bias: ComptimeOption<&Tensor<E>>,
+    block_table: ComptimeOption<&Tensor<u32>>,
     coords: Coords,
     first: usize,
     end: usize,
@@ -380,6 +406,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
             v_map,
             mask,
             bias,
+            block_table,
             coords,
             &mut keys,
             &mut values,
@@ -416,6 +443,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
                 v_map,
                 mask,
                 bias,
+                block_table,
                 coords,
                 &mut keys,
                 &mut values,
@@ -464,6 +492,7 @@ fn fetch_block<E: Float, M: Int>(
     v_map: &ComptimeOption<TensorMap<E, Tiled>>,
     mask: ComptimeOption<&Tensor<M>>,
     bias: ComptimeOption<&Tensor<E>>,
+    block_table: ComptimeOption<&Tensor<u32>>,
     coords: Coords,
     keys: &mut Shared<[E]>,
     values: &mut Shared<[E]>,
@@ -490,15 +519,26 @@ fn fetch_block<E: Float, M: Int>(
             cfg,
         );
     } else {
-        fetch_stage::<E>(
+        let rows = block_rows::<E>(
+            block_table,
             k,
-            coords.k_base,
-            k.stride(2),
             v,
+            coords.batch,
+            coords.kv_head,
+            coords.k_base,
             coords.v_base,
-            v.stride(2),
             kv_start,
             coords.band.seq_k,
+        );
+        fetch_stage::<E>(
+            k,
+            rows.k_base,
+            k.stride(2),
+            v,
+            rows.v_base,
+            v.stride(2),
+            rows.first,
+            rows.end,
             keys,
             values,
             stage,
@@ -567,6 +607,7 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
     v: &Tensor<E>,
     mask: ComptimeOption<&Tensor<M>>,
     bias: ComptimeOption<&Tensor<E>>,
+    block_table: ComptimeOption<&Tensor<u32>>,
     coords: Coords,
     first: usize,
     end: usize,
@@ -581,12 +622,23 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
     let mut values = Shared::<[E]>::new_slice(cfg.block_kv * cfg.value_dim);
     for block in first..end {
         let first_row = block * cfg.block_kv;
+        let rows = block_rows::<E>(
+            block_table,
+            k,
+            v,
+            coords.batch,
+            coords.kv_head,
+            coords.k_base,
+            coords.v_base,
+            first_row,
+            coords.band.seq_k,
+        );
         sync_cube();
         load_block::<E>(
             k,
-            coords.k_base,
-            first_row,
-            coords.band.seq_k,
+            rows.k_base,
+            rows.first,
+            rows.end,
             &mut keys,
             cfg.block_kv,
             cfg.head_dim,
@@ -595,9 +647,9 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
         );
         load_block::<E>(
             v,
-            coords.v_base,
-            first_row,
-            coords.band.seq_k,
+            rows.v_base,
+            rows.first,
+            rows.end,
             &mut values,
             cfg.block_kv,
             cfg.value_dim,

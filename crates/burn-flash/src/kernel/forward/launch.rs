@@ -15,7 +15,7 @@ use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::{cube_count, cube_dim};
 use crate::kernel::pack::pack_mask;
 use crate::kernel::tensors::{
-    F32, KernelTensor, ScoreInputs, address_type, output, stage_map, tma_aligned,
+    CachedKeys, F32, KernelTensor, ScoreInputs, U32, address_type, output, stage_map, tma_aligned,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 use crate::kernel::tuning::flag_override;
@@ -34,24 +34,37 @@ pub fn support(
 /// Run the fused forward. `q: [b, h, sq, d]`, `k: [b, hkv, sk, d]`, `v: [b, hkv, sk, dv]` (`h`
 /// a multiple of `hkv`), on one device with one dtype, accepted by [`support`]; the optional
 /// boolean `mask` (`true` hides) and additive `bias` (the inputs' dtype) are
-/// `[b|1, h|1, sq|1, sk]`. Returns the output `[b, h, sq, dv]` in the input dtype and the
-/// log-sum-exp `[b, h, sq]` in f32 (natural log of Σ exp(scale·s + bias) over the visible keys,
+/// `[b|1, h|1, sq|1, sk]`. With `cached` keys, sequence `b` has only its first `lengths[b]`
+/// keys (a length past `sk` counts as `sk`): its causal diagonal, window and ALiBi distances
+/// are placed by that length, and the keys past it are never read; with a block table, K and V
+/// are `[pages, hkv, page_size, d]` and `sk` is the table's pages per sequence times
+/// `page_size`, a multiple of the plan's key blocks. Returns the output `[b, h, sq, dv]` in the
+/// input dtype and the log-sum-exp `[b, h, sq]` in f32 (natural log of Σ exp(scale·s + bias) over the visible keys,
 /// `s` softcapped; `-inf` for rows that see no key, whose output is 0).
 pub fn forward(
     q: KernelTensor,
     k: KernelTensor,
     v: KernelTensor,
     inputs: ScoreInputs,
+    cached: Option<CachedKeys>,
     params: ScoreParams,
 ) -> (KernelTensor, KernelTensor) {
+    let paged = cached.as_ref().is_some_and(|c| c.block_table.is_some());
     // Keys and values are read in place where each head's rows are contiguous: a cache's
-    // filled prefix is not copied on every call.
-    let (q, k, v) = (q.into_contiguous(), k.into_head_rows(), v.into_head_rows());
+    // filled prefix is not copied on every call. Pages are read in place as they lie (their
+    // rows are staged by 16-byte copies, whatever their stride).
+    let (k, v) = if paged {
+        (k.into_aligned_rows(), v.into_aligned_rows())
+    } else {
+        (k.into_head_rows(), v.into_head_rows())
+    };
+    let q = q.into_contiguous();
     let params = params.with_inputs(inputs.mask_dims(), inputs.bias.is_some());
     let dims = q.meta.shape().clone();
     let (batch, heads, seq_q, head_dim) = (dims[0], dims[1], dims[2], dims[3]);
     let value_dim = v.meta.shape()[3];
     let kv_heads = k.meta.shape()[1];
+    let cached = cached.map(|cached| cached.checked(batch));
     if let Some(group) = packed_group(heads, kv_heads, seq_q, &inputs, &params) {
         // The query heads of a key/value head as the rows of one block: `[b, h, 1, d]` read as
         // `[b, hkv, h / hkv, d]` (the same elements), so each cached key is read once per
@@ -68,7 +81,7 @@ pub fn forward(
             ..params
         };
         let rows = q.reshaped([batch, kv_heads, group, head_dim]);
-        let (out, lse) = forward(rows, k, v, inputs, params);
+        let (out, lse) = forward(rows, k, v, inputs, cached, params);
         return (
             out.reshaped([batch, heads, 1, value_dim]),
             lse.reshaped([batch, heads, 1]),
@@ -81,11 +94,13 @@ pub fn forward(
         batch,
         heads,
         seq_q,
-        seq_k: k.meta.shape()[2],
+        seq_k: k.meta.shape()[2] * cached.as_ref().map_or(1, CachedKeys::pages_per_sequence),
         head_dim,
         value_dim,
         params,
         inputs: inputs.facts(),
+        key_lengths: cached.is_some(),
+        page_size: paged.then(|| k.meta.shape()[2]),
         kv_tma_aligned: tma_aligned(&k) && tma_aligned(&v),
     };
     let plan = ForwardPlan::new(&DeviceCaps::of(&client, q.dtype), &problem)
@@ -157,6 +172,14 @@ pub fn forward(
                     inputs.mask_arg().into(),
                     hidden_blocks.map(KernelTensor::into_tensor_arg).into(),
                     inputs.bias_arg().into(),
+                    cached
+                        .as_ref()
+                        .map(|c| c.lengths.clone().into_tensor_arg())
+                        .into(),
+                    cached
+                        .and_then(|c| c.block_table)
+                        .map(KernelTensor::into_tensor_arg)
+                        .into(),
                     kernel_out.clone().into_tensor_arg(),
                     kernel_lse.clone().into_tensor_arg(),
                     params.scale,
@@ -222,4 +245,35 @@ fn group_packs(seq_q: usize, inputs: &ScoreInputs, params: &ScoreParams) -> bool
 fn pack_override() -> Option<bool> {
     static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
     *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_PACK_GROUPS"))
+}
+
+impl CachedKeys {
+    /// These keys with `batch` u32 lengths and a u32 block table of `batch` rows, contiguous.
+    ///
+    /// # Panics
+    ///
+    /// Where the lengths or the table have another shape or dtype.
+    fn checked(self, batch: usize) -> Self {
+        let check = |t: &KernelTensor, what: &str, rank: usize| {
+            assert!(
+                t.dtype == U32 && t.meta.shape().len() == rank && t.meta.shape()[0] == batch,
+                "{what} are {batch} rows of u32, not {:?} {:?}",
+                t.meta.shape(),
+                t.dtype
+            );
+        };
+        check(&self.lengths, "key lengths", 1);
+        if let Some(table) = &self.block_table {
+            check(table, "block tables", 2);
+        }
+        Self {
+            lengths: self.lengths.into_contiguous(),
+            block_table: self.block_table.map(KernelTensor::into_contiguous),
+        }
+    }
+
+    /// Pages each sequence's table lists (1 without a table: the keys are the sequence's own).
+    fn pages_per_sequence(&self) -> usize {
+        self.block_table.as_ref().map_or(1, |t| t.meta.shape()[1])
+    }
 }

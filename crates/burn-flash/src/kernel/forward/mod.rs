@@ -1,11 +1,13 @@
 //! The forward: FlashAttention-2's loop over key/value blocks with an online softmax
 //! ([`kernel`]), planned on the host ([`plan`]) and launched ([`launch`]), the key blocks split
-//! across cubes where asked and merged by [`combine`]; [`sources`] creates its kernel as the
-//! launch would, without a client.
+//! across cubes where asked and merged by [`combine`], the keys of a paged cache found through
+//! its block table ([`pages`]); [`sources`] creates its kernel as the launch would, without a
+//! client.
 
 pub(crate) mod combine;
 mod kernel;
 pub(crate) mod launch;
+mod pages;
 pub(crate) mod plan;
 pub(super) mod sources;
 

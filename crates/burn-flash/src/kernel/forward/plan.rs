@@ -29,6 +29,10 @@ pub struct ForwardProblem {
     /// The score parameters, with the inputs' ([`ScoreParams::with_inputs`]).
     pub params: ScoreParams,
     pub inputs: ScoreFacts,
+    /// Each sequence's key length comes from an input ([`TileConfig::key_lengths`]).
+    pub key_lengths: bool,
+    /// Rows of a page where K and V are paged ([`TileConfig::paged`]).
+    pub page_size: Option<usize>,
     /// K and V can be read through tensor maps ([`tma_aligned`](crate::kernel::tensors::tma_aligned)).
     pub kv_tma_aligned: bool,
 }
@@ -78,8 +82,27 @@ impl ForwardPlan {
         };
         let bias_batch = problem.inputs.bias.map(|bias| bias.dims[0]);
         let cfg = cfg.with_batch_inner(batch_inner(bias_batch, problem.batch));
+        let cfg = if problem.key_lengths {
+            cfg.with_key_lengths()
+        } else {
+            cfg
+        };
+        let cfg = match problem.page_size {
+            Some(page) if page.is_multiple_of(cfg.block_kv) => cfg.with_pages(),
+            Some(page) => {
+                return Err(format!(
+                    "pages of {page} keys do not hold whole blocks of {}",
+                    cfg.block_kv
+                ));
+            }
+            None => cfg,
+        };
         let forward_bytes = |cfg: &TileConfig| cfg.shared_bytes(dtype.size());
-        let cfg = if tma_staging(caps, &cfg, problem.kv_tma_aligned, forward_bytes) {
+        // A tensor map's boxes cannot stop at a sequence's length: the rows past it would be
+        // read (and their values multiplied by zero, which is NaN where they are not finite).
+        // Pages are found through the table, not by a map's coordinates.
+        let tma_ok = problem.kv_tma_aligned && !problem.key_lengths && problem.page_size.is_none();
+        let cfg = if tma_staging(caps, &cfg, tma_ok, forward_bytes) {
             cfg.with_tma()
         } else {
             cfg
@@ -119,6 +142,12 @@ impl fmt::Display for ForwardPlan {
         }
         if cfg.batch_inner {
             write!(f, ", batches before heads")?;
+        }
+        if cfg.key_lengths.0 {
+            write!(f, ", per-sequence key lengths")?;
+        }
+        if cfg.paged.0 {
+            write!(f, ", paged keys and values")?;
         }
         if self.kv_splits > 1 {
             write!(
@@ -390,6 +419,8 @@ mod tests {
                 inputs.bias.is_some(),
             ),
             inputs,
+            key_lengths: false,
+            page_size: None,
             kv_tma_aligned: true,
         }
     }
@@ -571,5 +602,51 @@ mod tests {
             ..decode(8, 8, 4, 128)
         };
         assert_eq!(shape(&masked), (4, 32, 64));
+    }
+
+    #[test]
+    fn key_lengths_keep_the_decode_shapes_without_tensor_maps() {
+        let ragged = ForwardProblem {
+            batch: 8,
+            heads: 8,
+            seq_q: 4,
+            seq_k: 16384,
+            key_lengths: true,
+            ..problem(128, FlashAttentionOptions::causal(), ScoreFacts::default())
+        };
+        let plan = ForwardPlan::new(&caps::h100(), &ragged).unwrap();
+        assert!(plan.cfg.key_lengths.0);
+        // A tensor map's box would read past a sequence's length.
+        assert!(!plan.cfg.tma);
+        assert_eq!((plan.cfg.planes, plan.cfg.plane_rows), (1, 16));
+        assert!(plan.kv_splits > 1);
+        assert!(plan.to_string().contains("per-sequence key lengths"));
+        let equal = ForwardProblem {
+            key_lengths: false,
+            ..ragged
+        };
+        let plan = ForwardPlan::new(&caps::h100(), &equal).unwrap();
+        assert!(!plan.cfg.key_lengths.0);
+        // Pages hold whole key blocks of 64, or the plan refuses them.
+        let paged = |page_size| ForwardProblem {
+            page_size: Some(page_size),
+            ..ragged
+        };
+        let plan = ForwardPlan::new(&caps::h100(), &paged(256)).unwrap();
+        assert!(plan.cfg.paged.0 && !plan.cfg.tma);
+        assert!(plan.to_string().contains("paged"));
+        assert!(ForwardPlan::new(&caps::h100(), &paged(96)).is_err());
+        // The portable tile's blocks of 16 keys fit pages of 64.
+        let portable = ForwardProblem {
+            dtype: F32,
+            ..paged(64)
+        };
+        assert!(
+            ForwardPlan::new(&caps::lavapipe(), &portable)
+                .unwrap()
+                .cfg
+                .paged
+                .0
+        );
     }
 }

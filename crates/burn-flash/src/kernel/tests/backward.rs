@@ -20,7 +20,14 @@ fn check(case: &Case, seed: u64, atomic: bool) {
         case.seq_k,
     );
     let (q, k, v, scores) = inputs.upload(&client, case);
-    let (out, lse) = forward(q.clone(), k.clone(), v.clone(), scores.clone(), params);
+    let (out, lse) = forward(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        scores.clone(),
+        None,
+        params,
+    );
     let d_out_tensor = KernelTensor::from_f32(&client, &d_out, case.out_dims());
 
     let _atomic = atomic.then(crate::testing::force_atomic_dq);

@@ -33,7 +33,8 @@ fn check_with(case: &Case, seed: u64, adjust: impl Fn(ScoreParams) -> ScoreParam
     let inputs = Inputs::draw(case, seed);
     let (q, k, v, scores) = inputs.upload(&client, case);
     let params = adjust(params_of(case));
-    let (out, lse) = forward(q, k, v, scores, params);
+    let (k, v, cached) = inputs.cached_keys(&client, case, k, v);
+    let (out, lse) = forward(q, k, v, scores, cached, params);
     assert_eq!(out.meta.shape()[..], case.out_dims());
     let (expected_out, expected_lse) = inputs.forward(case);
     assert_close(
@@ -225,5 +226,103 @@ fn masks_and_biases_match_the_reference() {
     ];
     for (seed, case) in cases.iter().enumerate() {
         check(case, 300 + seed as u64);
+    }
+}
+
+/// Each sequence its own number of keys (a cache filled to different lengths), read from the
+/// device: lengths 0 (output 0, log-sum-exp `-inf`), 1, within a block, a whole block and past
+/// the keys' rows (counted as all of them); causal on each sequence's own diagonal (the first
+/// queries of a chunk longer than its sequence see nothing), windows, grouped heads packed into
+/// rows, and split keys.
+#[test]
+fn per_sequence_key_lengths_match_the_reference() {
+    let lengths = [0, 1, 37, 64, 90, 500];
+    let cases = [
+        (Case::new(6, 2, 1, 90, 32).key_lengths(&lengths), 1),
+        (
+            Case::new(6, 8, 1, 90, 64)
+                .kv_heads(2)
+                .causal()
+                .key_lengths(&lengths),
+            1,
+        ),
+        (
+            Case::new(6, 8, 1, 90, 64)
+                .kv_heads(2)
+                .causal()
+                .key_lengths(&lengths),
+            3,
+        ),
+        (
+            Case::new(6, 4, 5, 90, 32)
+                .kv_heads(1)
+                .causal()
+                .value_dim(16)
+                .key_lengths(&lengths),
+            2,
+        ),
+        (
+            Case::new(6, 2, 3, 90, 32)
+                .options(
+                    FlashAttentionOptions::causal()
+                        .with_window(AttentionWindow::new(Some(20), None)),
+                )
+                .key_lengths(&lengths),
+            1,
+        ),
+        (
+            Case::new(2, 2, 70, 130, 32).causal().key_lengths(&[100, 3]),
+            1,
+        ),
+    ];
+    for (seed, (case, splits)) in cases.iter().enumerate() {
+        let adjust = |params: ScoreParams| params.with_pack_groups(true).with_kv_splits(*splits);
+        check_with(case, 700 + seed as u64, adjust);
+    }
+}
+
+/// A paged cache: keys and values in shuffled pages of 16, 32 and 64 rows (one more page than
+/// the sequences use, and every row no key fills, NaN), found through a block table; lengths
+/// 0, 1, within a page, whole pages and every key; causal one query and chunks, packed groups,
+/// split keys, a window.
+#[test]
+fn paged_keys_match_the_reference() {
+    let lengths = [0, 1, 37, 64, 90, 77];
+    let cases = [
+        (
+            Case::new(6, 2, 1, 90, 32).key_lengths(&lengths).pages(16),
+            1,
+        ),
+        (
+            Case::new(6, 8, 1, 130, 64)
+                .kv_heads(2)
+                .causal()
+                .key_lengths(&lengths)
+                .pages(64),
+            3,
+        ),
+        (
+            Case::new(6, 4, 5, 90, 32)
+                .kv_heads(1)
+                .causal()
+                .value_dim(16)
+                .key_lengths(&lengths)
+                .pages(32),
+            2,
+        ),
+        (
+            Case::new(6, 2, 3, 90, 32)
+                .options(
+                    FlashAttentionOptions::causal()
+                        .with_window(AttentionWindow::new(Some(20), None)),
+                )
+                .key_lengths(&lengths)
+                .pages(16),
+            1,
+        ),
+    ];
+    for (seed, (case, splits)) in cases.iter().enumerate() {
+        let adjust = |params: ScoreParams| params.with_pack_groups(true).with_kv_splits(*splits);
+        check_with(case, 800 + seed as u64, adjust);
     }
 }

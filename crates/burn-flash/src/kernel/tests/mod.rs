@@ -67,6 +67,10 @@ pub struct Case {
     pub mask: Option<[usize; 4]>,
     /// `[b|1, h|1, sq|1, sk]` dims of an additive bias input.
     pub bias: Option<[usize; 4]>,
+    /// Each sequence's key length (`[b]`): only its first keys exist.
+    pub key_lengths: Option<Vec<u32>>,
+    /// Keys and values in shuffled pages of this many rows, found through a block table.
+    pub page_size: Option<usize>,
 }
 
 impl Case {
@@ -82,6 +86,8 @@ impl Case {
             options: FlashAttentionOptions::new(),
             mask: None,
             bias: None,
+            key_lengths: None,
+            page_size: None,
         }
     }
 
@@ -112,6 +118,25 @@ impl Case {
 
     pub fn bias(mut self, dims: [usize; 4]) -> Self {
         self.bias = Some(dims);
+        self
+    }
+
+    pub fn key_lengths(mut self, lengths: &[u32]) -> Self {
+        assert_eq!(lengths.len(), self.batch);
+        self.key_lengths = Some(lengths.to_vec());
+        self
+    }
+
+    /// Sequence `b`'s keys: its length, where the case has lengths, capped at the rows.
+    pub fn key_length(&self, b: usize) -> usize {
+        self.key_lengths
+            .as_ref()
+            .map_or(self.seq_k, |lengths| self.seq_k.min(lengths[b] as usize))
+    }
+
+    pub fn pages(mut self, page_size: usize) -> Self {
+        assert!(self.key_lengths.is_some(), "a paged cache has lengths");
+        self.page_size = Some(page_size);
         self
     }
 
@@ -200,12 +225,84 @@ impl Inputs {
         )
     }
 
-    /// The keys query `i` of `(b, h)` sees: the band of the options (bottom-right aligned),
-    /// then the mask.
+    /// `k` and `v` as the forward reads them for `case`: as they are, or, where the case is
+    /// paged, copied into shuffled pages (`[pages, kv_heads, page_size, dim]` views of
+    /// `[pages, page_size, kv_heads, dim]` buffers, one page more than the sequences use, and
+    /// every row no key fills NaN, so that a read of it shows); with the lengths and block table
+    /// where the case has them.
+    pub fn cached_keys(
+        &self,
+        client: &Client,
+        case: &Case,
+        k: KernelTensor,
+        v: KernelTensor,
+    ) -> (KernelTensor, KernelTensor, Option<super::CachedKeys>) {
+        let Some(lengths) = &case.key_lengths else {
+            return (k, v, None);
+        };
+        let lengths = KernelTensor::from_values(client, lengths, [case.batch]);
+        let Some(page) = case.page_size else {
+            let cached = super::CachedKeys {
+                lengths,
+                block_table: None,
+            };
+            return (k, v, Some(cached));
+        };
+        let per_sequence = case.seq_k.div_ceil(page);
+        let pages = case.batch * per_sequence + 1;
+        // A shuffle of the pages (Fisher–Yates), so that no sequence's pages are in order.
+        let mut order: Vec<u32> = (0..pages as u32).collect();
+        let mut rng = Rng::new(page as u64 ^ 0xB10C);
+        for i in (1..pages).rev() {
+            order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+        }
+        let table: Vec<u32> = order[..case.batch * per_sequence].to_vec();
+        let paged = |dense: &[f32], dim: usize| {
+            let hkv = case.kv_heads;
+            let mut buffer = vec![f32::NAN; pages * page * hkv * dim];
+            for b in 0..case.batch {
+                for logical in 0..per_sequence {
+                    let physical = table[b * per_sequence + logical] as usize;
+                    for r in 0..page.min(case.seq_k - logical * page) {
+                        for h in 0..hkv {
+                            let from = ((b * hkv + h) * case.seq_k + logical * page + r) * dim;
+                            let to = ((physical * page + r) * hkv + h) * dim;
+                            buffer[to..to + dim].copy_from_slice(&dense[from..from + dim]);
+                        }
+                    }
+                }
+            }
+            let buffer = KernelTensor::from_f32(client, &buffer, [pages, page, hkv, dim]);
+            KernelTensor::new(
+                buffer.client,
+                buffer.handle,
+                [pages, hkv, page, dim],
+                [page * hkv * dim, dim, hkv * dim, 1],
+                buffer.dtype,
+            )
+        };
+        let cached = super::CachedKeys {
+            lengths,
+            block_table: Some(KernelTensor::from_values(
+                client,
+                &table,
+                [case.batch, per_sequence],
+            )),
+        };
+        (
+            paged(&self.k, case.head_dim),
+            paged(&self.v, case.value_dim),
+            Some(cached),
+        )
+    }
+
+    /// The keys query `i` of `(b, h)` sees: those of its sequence's length, the band of the
+    /// options (bottom-right aligned on that length), then the mask.
     fn seen(&self, case: &Case, b: usize, h: usize, i: usize) -> Vec<usize> {
-        let diag = i as i64 + case.seq_k as i64 - case.seq_q as i64;
+        let seq_k = case.key_length(b);
+        let diag = i as i64 + seq_k as i64 - case.seq_q as i64;
         let window = case.options.window.unwrap_or_default();
-        (0..case.seq_k)
+        (0..seq_k)
             .filter(|&j| {
                 let j = j as i64;
                 let right = if case.options.causal {

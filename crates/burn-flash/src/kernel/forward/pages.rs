@@ -1,0 +1,69 @@
+//! Where the forward reads a block of keys and values: in its sequence's own rows, or, in a
+//! paged cache, in the page its block table maps the block to. K and V are then
+//! `[pages, kv_heads, page_size, dim]` (rows of a head in a page one stride apart), the table
+//! `[batch, pages per sequence]`, and a page holds whole blocks (its size a multiple of the
+//! block's keys), so that a block never straddles two pages.
+
+use cubecl::prelude::*;
+
+/// The rows of keys and values one block is read from.
+#[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
+pub struct BlockRows {
+    /// Where the head's rows start in `k`.
+    pub k_base: usize,
+    /// Where the head's rows start in `v`.
+    pub v_base: usize,
+    /// The block's first row there.
+    pub first: usize,
+    /// The row at which the sequence ends there: rows from it on are zero-filled.
+    pub end: usize,
+}
+
+/// Keys each sequence can hold: `k`'s rows, or with a block table its pages' rows.
+#[cube]
+pub fn key_capacity<E: Float>(k: &Tensor<E>, block_table: ComptimeOption<&Tensor<u32>>) -> usize {
+    let mut rows = k.shape(2);
+    #[comptime]
+    if let ComptimeOption::Some(table) = block_table {
+        rows = table.shape(1) * k.shape(2);
+    }
+    rows
+}
+
+/// The rows of keys `[kv_start, kv_start + block)` of `batch`'s key/value head `kv_head`, whose
+/// rows start at `k_base` and `v_base` in a cache of its own, over a sequence of `seq_k` keys
+/// (`kv_start < seq_k`). A page number past the cache is clamped into it: a bad table reads
+/// wrong keys, never outside the tensors.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn block_rows<E: Float>(
+    block_table: ComptimeOption<&Tensor<u32>>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    batch: usize,
+    kv_head: usize,
+    k_base: usize,
+    v_base: usize,
+    kv_start: usize,
+    seq_k: usize,
+) -> BlockRows {
+    let mut rows = BlockRows {
+        k_base,
+        v_base,
+        first: kv_start,
+        end: seq_k,
+    };
+    #[comptime]
+    if let ComptimeOption::Some(table) = block_table {
+        let page_rows = k.shape(2);
+        let entry = batch * table.stride(0) + (kv_start / page_rows) * table.stride(1);
+        let page = min(usize::cast_from(table[entry]), k.shape(0) - 1);
+        let first = kv_start % page_rows;
+        rows.k_base = page * k.stride(0) + kv_head * k.stride(1);
+        rows.v_base = page * v.stride(0) + kv_head * v.stride(1);
+        rows.first = first;
+        rows.end = first + (seq_k - kv_start);
+    }
+    rows
+}
