@@ -249,6 +249,19 @@ fn main() {
         (DType::F32, 4, "f32")
     };
     let mut clear = cuda.then(|| Clear::new(&device));
+    // Half a second of clears before the first row, so that it does not time the memory pool
+    // growing under its clears or the clocks rising: the first row of each process ran slower
+    // than its neighbours (H200, 2026-11-29: b 1, 32/32 heads, 4k keys at 0.085 ms, slower
+    // than the same heads over 16k keys).
+    if let Some(clear) = clear.as_mut() {
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_millis(500) {
+            for _ in 0..50 {
+                clear.run();
+            }
+            device.sync().expect("device sync");
+        }
+    }
 
     println!("impl,dtype,b,hq,hkv,sq,sk,d,ms,gbps");
     for &hkv in &kv_heads {

@@ -447,3 +447,29 @@ pub fn load_block<E: Float>(
         }
     }
 }
+
+/// Zero rows `[from, rows)` of a staged block of `rows` rows laid out by `pitch`, `width`
+/// elements a row (its stride), shared by `units` units. A tensor map loads whole boxes: the
+/// rows past a sequence's length hold whatever lies there, and a product with a probability of
+/// 0 would still turn a non-finite one into NaN. Whole rows are zeroed, so the swizzle, which
+/// permutes chunks within a row, does not matter. The caller synchronises the cube and fences
+/// the writes from the copy engine's next use of the stage.
+#[cube]
+pub fn zero_rows_from<E: Float>(
+    stages: &mut Shared<[E]>,
+    base: usize,
+    from: usize,
+    #[comptime] rows: usize,
+    #[comptime] width: usize,
+    #[comptime] pitch: Pitch,
+    #[comptime] units: usize,
+) {
+    let group = comptime!(8 * CHUNK);
+    let elems = (rows - from) * width;
+    let mut at = UNIT_POS as usize;
+    while at < elems {
+        let (row, col) = (from + at / width, at % width);
+        stages[base + (col / group) * pitch.group + row * pitch.row + col % group] = E::new(0.0);
+        at += units;
+    }
+}

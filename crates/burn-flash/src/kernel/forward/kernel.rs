@@ -27,7 +27,9 @@ use crate::kernel::mask::apply_mask;
 use crate::kernel::softmax::{
     RowStats, Softcap, finish, init_stats, online_update, softcap_scores,
 };
-use crate::kernel::stage::{StageBarriers, fetch_stage, fetch_stage_tma, load_block};
+use crate::kernel::stage::{
+    StageBarriers, fetch_stage, fetch_stage_tma, load_block, zero_rows_from,
+};
 use crate::kernel::tile::AttentionTile;
 
 /// Where the cube reads and writes, and the lengths that bound it.
@@ -422,6 +424,15 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     for block in first..end {
         let stage = (block - first) % 2;
         barriers.wait(stage);
+        if comptime!(cfg.tma && cfg.key_lengths.0) {
+            zero_value_tail::<E>(
+                &mut values,
+                stage,
+                block * cfg.block_kv,
+                coords.band.seq_k,
+                cfg,
+            );
+        }
         let visible_after = block_visible(hidden_blocks, row, min(block + 2, last));
         // Every unit is past the previous block: a single-stage bias may be refilled. Its
         // copies are issued before the next block's, which its barrier must not wait for.
@@ -481,6 +492,34 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     query
 }
 
+/// With per-sequence key lengths and tensor maps, zero the rows of the value stage `stage`
+/// (keys from `kv_start`) past the sequence's `seq_k` keys: the map's box read them as the
+/// cache holds them ([`zero_rows_from`]). Only the block that holds the sequence's end has any;
+/// the branch is the same for the whole cube.
+#[cube]
+fn zero_value_tail<E: Float>(
+    values: &mut Shared<[E]>,
+    stage: usize,
+    kv_start: usize,
+    seq_k: usize,
+    #[comptime] cfg: TileConfig,
+) {
+    if kv_start + cfg.block_kv > seq_k {
+        zero_rows_from::<E>(
+            values,
+            stage * comptime!(cfg.block_kv * cfg.value_stride()),
+            seq_k - kv_start,
+            cfg.block_kv,
+            cfg.value_stride(),
+            comptime!(cfg.staged_pitch(cfg.value_stride())),
+            cfg.units(),
+        );
+        // The copy engine writes this stage again two blocks on: order these writes first.
+        sync_async_proxy_shared();
+        sync_cube();
+    }
+}
+
 /// Issue the asynchronous copies of KV block `block` (its keys and values, and its blocks of the
 /// staged mask and bias) into stage `stage`, completing on that stage's barrier.
 #[cube]
@@ -504,14 +543,25 @@ fn fetch_block<E: Float, M: Int>(
     #[comptime] cfg: TileConfig,
 ) {
     let kv_start = block * cfg.block_kv;
+    let rows = block_rows::<E>(
+        block_table,
+        k,
+        v,
+        coords.batch,
+        coords.kv_head,
+        coords.k_base,
+        coords.v_base,
+        kv_start,
+        coords.band.seq_k,
+    );
     #[comptime]
     if let (ComptimeOption::Some(k_map), ComptimeOption::Some(v_map)) = (k_map, v_map) {
         fetch_stage_tma::<E>(
             k_map,
             v_map,
-            coords.batch,
+            rows.outer,
             coords.kv_head,
-            kv_start,
+            rows.first,
             keys,
             values,
             stage,
@@ -519,17 +569,6 @@ fn fetch_block<E: Float, M: Int>(
             cfg,
         );
     } else {
-        let rows = block_rows::<E>(
-            block_table,
-            k,
-            v,
-            coords.batch,
-            coords.kv_head,
-            coords.k_base,
-            coords.v_base,
-            kv_start,
-            coords.band.seq_k,
-        );
         fetch_stage::<E>(
             k,
             rows.k_base,

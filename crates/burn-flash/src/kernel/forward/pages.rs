@@ -10,6 +10,9 @@ use cubecl::prelude::*;
 #[derive(CubeType, Clone, Copy)]
 #[expand(derive(Clone, Copy))]
 pub struct BlockRows {
+    /// The index of `k`'s and `v`'s first dim they lie in: the sequence's, or its page's (a
+    /// tensor map's coordinate).
+    pub outer: usize,
     /// Where the head's rows start in `k`.
     pub k_base: usize,
     /// Where the head's rows start in `v`.
@@ -49,6 +52,7 @@ pub fn block_rows<E: Float>(
     seq_k: usize,
 ) -> BlockRows {
     let mut rows = BlockRows {
+        outer: batch,
         k_base,
         v_base,
         first: kv_start,
@@ -60,6 +64,7 @@ pub fn block_rows<E: Float>(
         let entry = batch * table.stride(0) + (kv_start / page_rows) * table.stride(1);
         let page = min(usize::cast_from(table[entry]), k.shape(0) - 1);
         let first = kv_start % page_rows;
+        rows.outer = page;
         rows.k_base = page * k.stride(0) + kv_head * k.stride(1);
         rows.v_base = page * v.stride(0) + kv_head * v.stride(1);
         rows.first = first;

@@ -98,11 +98,9 @@ impl ForwardPlan {
             None => cfg,
         };
         let forward_bytes = |cfg: &TileConfig| cfg.shared_bytes(dtype.size());
-        // A tensor map's boxes cannot stop at a sequence's length: the rows past it would be
-        // read (and their values multiplied by zero, which is NaN where they are not finite).
-        // Pages are found through the table, not by a map's coordinates.
-        let tma_ok = problem.kv_tma_aligned && !problem.key_lengths && problem.page_size.is_none();
-        let cfg = if tma_staging(caps, &cfg, tma_ok, forward_bytes) {
+        // With key lengths a map's box also reads the rows past a sequence's length, which the
+        // kernel zeroes in the value stage; a page is a map coordinate like a batch.
+        let cfg = if tma_staging(caps, &cfg, problem.kv_tma_aligned, forward_bytes) {
             cfg.with_tma()
         } else {
             cfg
@@ -605,7 +603,7 @@ mod tests {
     }
 
     #[test]
-    fn key_lengths_keep_the_decode_shapes_without_tensor_maps() {
+    fn key_lengths_keep_the_decode_shapes() {
         let ragged = ForwardProblem {
             batch: 8,
             heads: 8,
@@ -616,8 +614,10 @@ mod tests {
         };
         let plan = ForwardPlan::new(&caps::h100(), &ragged).unwrap();
         assert!(plan.cfg.key_lengths.0);
-        // A tensor map's box would read past a sequence's length.
-        assert!(!plan.cfg.tma);
+        assert!(
+            plan.cfg.tma,
+            "K and V by tensor maps, the rows past a length zeroed"
+        );
         assert_eq!((plan.cfg.planes, plan.cfg.plane_rows), (1, 16));
         assert!(plan.kv_splits > 1);
         assert!(plan.to_string().contains("per-sequence key lengths"));
@@ -633,7 +633,7 @@ mod tests {
             ..ragged
         };
         let plan = ForwardPlan::new(&caps::h100(), &paged(256)).unwrap();
-        assert!(plan.cfg.paged.0 && !plan.cfg.tma);
+        assert!(plan.cfg.paged.0 && plan.cfg.tma);
         assert!(plan.to_string().contains("paged"));
         assert!(ForwardPlan::new(&caps::h100(), &paged(96)).is_err());
         // The portable tile's blocks of 16 keys fit pages of 64.
