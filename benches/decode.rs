@@ -111,13 +111,14 @@ struct Args {
     page_size: Option<usize>,
 }
 
-/// How burn-flash finds the cached keys besides the dense call.
+/// How burn-flash finds the cached keys besides the dense call: each sequence's length read
+/// from a tensor, and where paged, the keys and values in pages `[pages, page_size, hkv, d]`
+/// with their block table.
 #[derive(Clone)]
-enum Cached {
-    /// Every sequence's length, read from a tensor.
-    Lengths(Tensor<1, Int>),
-    /// The keys and values in pages `[pages, page_size, hkv, d]`, a block table and lengths.
-    Paged([Tensor<4>; 2], Tensor<2, Int>, Tensor<1, Int>),
+struct Cached {
+    lengths: Tensor<1, Int>,
+    /// Keys, values and the block table.
+    pages: Option<(Tensor<4>, Tensor<4>, Tensor<2, Int>)>,
 }
 
 /// One call of `imp`, the causal mask aligned bottom-right; burn-flash reads the keys as
@@ -132,12 +133,13 @@ fn decode(
     let options = FlashAttentionOptions::causal();
     match imp {
         Impl::Flash => match cached {
-            Some(Cached::Lengths(lengths)) => {
+            Some(Cached {
+                lengths,
+                pages: Some((k, v, table)),
+            }) => try_flash_attention_paged(q, k, v, table, lengths, options)
+                .expect("valid decode inputs"),
+            Some(Cached { lengths, .. }) => {
                 try_flash_attention_with_lengths(q, k, v, lengths, options)
-                    .expect("valid decode inputs")
-            }
-            Some(Cached::Paged([k, v], table, lengths)) => {
-                try_flash_attention_paged(q, k, v, table, lengths, options)
                     .expect("valid decode inputs")
             }
             None => flash_attention(q, k, v, options),
@@ -328,9 +330,15 @@ fn main() {
                             (0..pages).map(|i| ((i * 7919) % pages) as u32).collect();
                         let table = TensorData::new(table, [b, per_sequence]);
                         let table = Tensor::<2, Int>::from_data(table, &device);
-                        Some(Cached::Paged([pool(), pool()], table, lengths()))
+                        Some(Cached {
+                            lengths: lengths(),
+                            pages: Some((pool(), pool(), table)),
+                        })
                     }
-                    None if args.key_lengths => Some(Cached::Lengths(lengths())),
+                    None if args.key_lengths => Some(Cached {
+                        lengths: lengths(),
+                        pages: None,
+                    }),
                     None => None,
                 };
                 device.sync().expect("device sync");
@@ -339,8 +347,8 @@ fn main() {
                     let ms = time_row(&device, &args, imp, &inputs, cached, clear.as_mut());
                     let gbps = shape.bytes(elem) / (ms * 1e-3) / 1e9;
                     let suffix = match cached {
-                        Some(Cached::Lengths(_)) => "-lengths",
-                        Some(Cached::Paged(..)) => "-paged",
+                        Some(Cached { pages: Some(_), .. }) => "-paged",
+                        Some(_) => "-lengths",
                         None => "",
                     };
                     println!(

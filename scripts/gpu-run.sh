@@ -142,13 +142,14 @@ for stage in "$@"; do
     ;;
   sanitize)
     # compute-sanitizer over every fused kernel on ragged shapes (the tests below launch the
-    # forward and both backward dQ modes, and the forward's mask packing and staging), one
-    # process per tool, all at once; exit code 9 means the tool reported an error.
+    # forward and both backward dQ modes, the forward's mask packing and staging, and its
+    # per-sequence lengths and pages), one process per tool, all at once; exit code 9 means the
+    # tool reported an error. SANITIZE_TESTS: other tests instead.
+    tests=${SANITIZE_TESTS:-reliability::cuda::sanitizer_shapes_cuda masks::cuda::boolean_masks_cuda lengths::cuda::sanitizer_shapes_lengths_cuda}
     for tool in ${SANITIZERS:-memcheck racecheck synccheck initcheck}; do
       ( BURN_FLASH_REQUIRE_CUDA=1 CUBECL_AUTOTUNE_LEVEL=minimal timeout "${SANITIZE_TIMEOUT:-400}" \
           compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 50 \
-          $BIN/test-suite --exact reliability::cuda::sanitizer_shapes_cuda \
-          masks::cuda::boolean_masks_cuda --test-threads 1 --nocapture \
+          $BIN/test-suite --exact $tests --test-threads 1 --nocapture \
           >"$OUT/sanitizer-$tool.log" 2>&1
         rc=$?
         echo "sanitizer $tool rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|test result' \

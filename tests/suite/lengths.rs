@@ -336,4 +336,37 @@ mod cuda {
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
+
+    /// Small ragged shapes for compute-sanitizer (`scripts/gpu-run.sh sanitize`): lengths 0
+    /// to past the keys, contiguous and in shuffled pages of 64, one query and a chunk of five,
+    /// keys split across cubes, against the same reference.
+    #[test]
+    fn sanitizer_shapes_lengths_cuda() {
+        let Some(device) = cuda_device("lengths::cuda::sanitizer_shapes_lengths_cuda") else {
+            return;
+        };
+        let u = unit_roundoff(DType::BF16);
+        let accept = |err: &Error| {
+            err.finite() && err.relative <= 4.0 * u && err.max_abs <= 8.0 * u * err.ref_max
+        };
+        let lengths = [0, 1, 70, 129, 320, -2];
+        let mut failures = Vec::new();
+        for page in [None, Some(64)] {
+            for seq_q in [1, 5] {
+                let problem = Problem::cross(6, 4, seq_q, 320, 64).grouped(2);
+                let cases = [Case::new(Spec::from(true))];
+                failures.extend(run(
+                    &device,
+                    DType::BF16,
+                    problem,
+                    &lengths,
+                    page,
+                    &cases,
+                    false,
+                    accept,
+                ));
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
 }

@@ -259,19 +259,18 @@ impl PagedKvCache {
         // The row of the pool each new position goes to, and the row of the new block it
         // comes from.
         let (mut slots, mut sources) = (Vec::new(), Vec::new());
-        for seq in 0..batch {
-            let (start, count) = (self.lengths[seq], counts[seq]);
-            while self.tables[seq].len() * page_size < start + count {
-                let page = self.free.pop().expect("the free pages were counted");
-                self.tables[seq].push(page);
+        let sequences = self.lengths.iter_mut().zip(&mut self.tables).zip(counts);
+        for (seq, ((length, table), &count)) in sequences.enumerate() {
+            while table.len() * page_size < *length + count {
+                table.push(self.free.pop().expect("the free pages were counted"));
             }
             for i in 0..count {
-                let position = start + i;
-                let page = self.tables[seq][position / page_size] as usize;
+                let position = *length + i;
+                let page = table[position / page_size] as usize;
                 slots.push((page * page_size + position % page_size) as i64);
                 sources.push((seq * n + i) as i64);
             }
-            self.lengths[seq] += count;
+            *length += count;
         }
         if slots.is_empty() {
             return Ok(());

@@ -5,11 +5,10 @@
 //! per-row log-sum-exp.
 //! Grouped-query attention reads the key/value head `head / group` of its query head. With
 //! per-sequence key lengths (a cache's filled parts), each sequence's band ends at its length;
-//! with a block table, its key blocks are read from the pages the table maps them to.
-//! A mask or
-//! bias input is read where each score register sits ([`inputs`](crate::kernel::inputs)); dropout drops
-//! probabilities after the softmax statistics saw them, so the normaliser and the log-sum-exp
-//! are those of the full row.
+//! with a block table, its key blocks are read from the pages the table maps them to. A mask or
+//! bias input is read where each score register sits ([`inputs`](crate::kernel::inputs));
+//! dropout drops probabilities after the softmax statistics saw them, so the normaliser and the
+//! log-sum-exp are those of the full row.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;

@@ -39,8 +39,8 @@ pub fn support(
 /// are placed by that length, and the keys past it are never read; with a block table, K and V
 /// are `[pages, hkv, page_size, d]` and `sk` is the table's pages per sequence times
 /// `page_size`, a multiple of the plan's key blocks. Returns the output `[b, h, sq, dv]` in the
-/// input dtype and the log-sum-exp `[b, h, sq]` in f32 (natural log of Σ exp(scale·s + bias) over the visible keys,
-/// `s` softcapped; `-inf` for rows that see no key, whose output is 0).
+/// input dtype and the log-sum-exp `[b, h, sq]` in f32 (natural log of Σ exp(scale·s + bias)
+/// over the visible keys, `s` softcapped; `-inf` for rows that see no key, whose output is 0).
 pub fn forward(
     q: KernelTensor,
     k: KernelTensor,
@@ -51,8 +51,8 @@ pub fn forward(
 ) -> (KernelTensor, KernelTensor) {
     let paged = cached.as_ref().is_some_and(|c| c.block_table.is_some());
     // Keys and values are read in place where each head's rows are contiguous: a cache's
-    // filled prefix is not copied on every call. Pages are read in place as they lie (their
-    // rows are staged by 16-byte copies, whatever their stride).
+    // filled prefix is not copied on every call. Pages are read in place as they lie, whatever
+    // their rows' stride (tensor maps and 16-byte copies take any).
     let (k, v) = if paged {
         (k.into_aligned_rows(), v.into_aligned_rows())
     } else {
