@@ -303,20 +303,21 @@ mod cuda {
     use crate::common::cuda::{cuda_device, has_tensor_cores};
     use common::unit_roundoff;
 
+    /// The sanity bound of `cache::cuda` (`forward_cuda`'s) in bf16.
+    fn accept(err: &Error) -> bool {
+        let u = unit_roundoff(DType::BF16);
+        err.finite() && err.relative <= 4.0 * u && err.max_abs <= 8.0 * u * err.ref_max
+    }
+
     /// The fused forward in bf16 on the tensor-core tile (decode shapes: grouped heads packed
     /// into rows, keys split across cubes), contiguous and in shuffled pages of 256, against the
-    /// f64 reference of the same bf16 inputs, by the sanity bound of `cache::cuda`
-    /// (`forward_cuda`'s).
+    /// f64 reference of the same bf16 inputs, by [`accept`].
     #[test]
     fn lengths_match_the_reference_cuda() {
         let Some(device) = cuda_device("lengths::cuda::lengths_match_the_reference_cuda") else {
             return;
         };
         assert!(has_tensor_cores(&device, DType::BF16));
-        let u = unit_roundoff(DType::BF16);
-        let accept = |err: &Error| {
-            err.finite() && err.relative <= 4.0 * u && err.max_abs <= 8.0 * u * err.ref_max
-        };
         let lengths = [0, 1, 37, 64, 5000, 2047, -4, 100_000];
         let mut failures = Vec::new();
         for page in [None, Some(256)] {
@@ -344,10 +345,6 @@ mod cuda {
     fn sanitizer_shapes_lengths_cuda() {
         let Some(device) = cuda_device("lengths::cuda::sanitizer_shapes_lengths_cuda") else {
             return;
-        };
-        let u = unit_roundoff(DType::BF16);
-        let accept = |err: &Error| {
-            err.finite() && err.relative <= 4.0 * u && err.max_abs <= 8.0 * u * err.ref_max
         };
         let lengths = [0, 1, 70, 129, 320, -2];
         let mut failures = Vec::new();
