@@ -47,6 +47,30 @@ impl Band {
         }
         band
     }
+
+    /// This band cut to packed sequence `batch`, with the rows where its queries and its keys
+    /// start: `starts` (`[2, sequences + 1]`) holds the cumulative query lengths in its first
+    /// row and the key lengths in its second, so that sequence `b` owns query rows
+    /// `starts[0, b]..starts[0, b + 1]` and key rows `starts[1, b]..starts[1, b + 1]`. Without
+    /// `starts`, the band as it is and rows from 0. Its diagonals are the sequence's own.
+    pub fn of_packed(
+        self,
+        starts: ComptimeOption<&Tensor<u32>>,
+        batch: usize,
+    ) -> (Band, usize, usize) {
+        let mut band = self;
+        let mut q_row = 0usize;
+        let mut k_row = 0usize;
+        #[comptime]
+        if let ComptimeOption::Some(starts) = starts {
+            let keys = starts.stride(0);
+            q_row = usize::cast_from(starts[batch]);
+            k_row = usize::cast_from(starts[keys + batch]);
+            band.seq_q = usize::cast_from(starts[batch + 1]) - q_row;
+            band.seq_k = usize::cast_from(starts[keys + batch + 1]) - k_row;
+        }
+        (band, q_row, k_row)
+    }
 }
 
 /// The diagonal of query `i` is key `i + diag_k - diag_q`: `(seq_q, seq_k)` bottom-right,

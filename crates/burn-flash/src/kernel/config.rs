@@ -152,6 +152,10 @@ pub struct TileConfig {
     /// The forward reads keys and values from the pages a block table maps each sequence's key
     /// blocks to ([`pages`](super::forward::pages)).
     pub paged: Switch,
+    /// The forward reads packed sequences of different lengths: one `[1, heads, total, dim]`
+    /// tensor per operand, each sequence's rows found by its starts
+    /// ([`Band::of_packed`](super::band::Band)); the grid's batch runs over the sequences.
+    pub varlen: Switch,
 }
 
 /// A comptime switch that joins a configuration's hash only when on. CubeCL names each kernel's
@@ -285,6 +289,7 @@ impl TileConfig {
             kv_split: Switch(false),
             key_lengths: Switch(false),
             paged: Switch(false),
+            varlen: Switch(false),
         }
     }
 
@@ -316,6 +321,7 @@ impl TileConfig {
             kv_split: Switch(false),
             key_lengths: Switch(false),
             paged: Switch(false),
+            varlen: Switch(false),
         }
     }
 
@@ -378,6 +384,14 @@ impl TileConfig {
     pub fn with_key_lengths(self) -> Self {
         Self {
             key_lengths: Switch(true),
+            ..self
+        }
+    }
+
+    /// These blocks reading packed sequences ([`varlen`](Self::varlen)).
+    pub fn with_varlen(self) -> Self {
+        Self {
+            varlen: Switch(true),
             ..self
         }
     }

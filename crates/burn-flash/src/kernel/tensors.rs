@@ -171,6 +171,16 @@ impl KernelTensor {
         Self::new(self.client, self.handle, shape, strides, self.dtype)
     }
 
+    /// This tensor with dims `a` and `b` exchanged: the same elements, read through swapped
+    /// strides.
+    pub fn swapped(self, a: usize, b: usize) -> Self {
+        let mut shape = self.meta.shape().to_vec();
+        let mut strides = self.meta.strides().to_vec();
+        shape.swap(a, b);
+        strides.swap(a, b);
+        Self::new(self.client, self.handle, shape, strides, self.dtype)
+    }
+
     /// This `[b, h, seq, dim]` tensor read in place where each head's rows lie one after the
     /// other, whatever lies between heads and batches (a prefix of a longer sequence, as the
     /// filled part of a key/value cache), with its start and strides whole 16-byte units (the
@@ -313,6 +323,20 @@ pub struct CachedKeys {
     /// `[b, pages per sequence]` u32: the page holding each run of `page_size` keys of a
     /// sequence, where K and V are paged, `[pages, kv_heads, page_size, dim]`.
     pub block_table: Option<KernelTensor>,
+}
+
+/// Sequences of different lengths packed one after another along the rows of one
+/// `[1, heads, total, dim]` tensor per operand, as the forward reads them
+/// ([`forward_packed`](crate::kernel::forward_packed)).
+#[derive(Clone, Debug)]
+pub struct PackedRows {
+    /// `[2, sequences + 1]` u32: the cumulative query lengths (row 0) and key lengths (row 1),
+    /// from 0; sequence `b`'s queries are rows `starts[0, b]..starts[0, b + 1]`.
+    pub starts: KernelTensor,
+    /// The longest sequence's queries: the launch's row blocks per (sequence, head).
+    pub max_query: usize,
+    /// The longest sequence's keys.
+    pub max_key: usize,
 }
 
 /// What the plans need to know of one score input.

@@ -35,7 +35,10 @@ use crate::kernel::tile::AttentionTile;
 #[derive(CubeType, Clone, Copy)]
 #[expand(derive(Clone, Copy))]
 struct Coords {
+    /// The batch index into the tensors (0 for packed sequences, which are one batch).
     batch: usize,
+    /// The first key row of the sequence in its tensors (packed sequences; else 0).
+    k_row: usize,
     /// The key/value head this query head reads (GQA).
     kv_head: usize,
     q_base: usize,
@@ -76,6 +79,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     bias: ComptimeOption<&Tensor<E>>,
     key_lengths: ComptimeOption<&Tensor<u32>>,
     block_table: ComptimeOption<&Tensor<u32>>,
+    starts: ComptimeOption<&Tensor<u32>>,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
     scale: f32,
@@ -90,7 +94,21 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
     #[define(E, M)] _dtypes: [ElemType; 2],
 ) {
-    let (batch, head) = batch_and_head(cfg);
+    // With packed sequences the grid's batch is the sequence, the tensors' batch is 0.
+    let (sequence, head) = batch_and_head(cfg);
+    let batch = if comptime!(cfg.varlen.0) {
+        usize::new(0)
+    } else {
+        sequence
+    };
+    let band = Band::new(
+        q.shape(2),
+        key_capacity(k, block_table),
+        band_left,
+        band_right,
+    )
+    .of_sequence(key_lengths, batch);
+    let (band, q_row, k_row) = band.of_packed(starts, sequence);
     let kv_head = head / (q.shape(1) / k.shape(1));
     let dropout = Dropout::new(
         dropout_seed_lo,
@@ -107,23 +125,18 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     };
     let coords = Coords {
         batch,
+        k_row,
         kv_head,
-        q_base: batch * q.stride(0) + head * q.stride(1),
+        q_base: batch * q.stride(0) + head * q.stride(1) + q_row * q.stride(2),
         k_base: batch * k.stride(0) + kv_head * k.stride(1),
         v_base: batch * v.stride(0) + kv_head * v.stride(1),
         q_start: block * cfg.block_q,
-        band: Band::new(
-            q.shape(2),
-            key_capacity(k, block_table),
-            band_left,
-            band_right,
-        )
-        .of_sequence(key_lengths, batch),
+        band,
         softcap: Softcap::new(scale, softcap),
         views: Views::new::<E, M>(mask, bias, batch, head),
         hidden_row: hidden_row(hidden_blocks, batch, head, block),
         dropout,
-        head_key: dropout.head_key(batch, head),
+        head_key: dropout.head_key(sequence, head),
         alibi: alibi_slope(head, alibi_pow2) / scale,
         inv_scale: 1.0 / scale,
         neg_inf,
@@ -139,6 +152,15 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     // The band's blocks, narrowed to those a packed mask lets the query block see: read first,
     // so that the read's latency passes while the stages are set up.
     let (first, end) = kv_blocks(coords.band, coords.q_start, cfg);
+    // A packed sequence shorter than the longest has row blocks past its end: they walk nothing.
+    let (first, end) = if comptime!(cfg.varlen.0) {
+        (
+            first,
+            select(coords.q_start < coords.band.seq_q, end, first),
+        )
+    } else {
+        (first, end)
+    };
     let (first, end) = visible_range(hidden_blocks, coords.hidden_row, first, end);
     let (first, end) = if comptime!(cfg.kv_split.0) {
         split_blocks(first, end, split, out.shape(1) / q.shape(1))
@@ -205,7 +227,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     } else {
         head
     };
-    let out_base = batch * out.stride(0) + out_head * out.stride(1);
+    let out_base = batch * out.stride(0) + out_head * out.stride(1) + q_row * out.stride(2);
     if comptime!(cfg.value_stride() <= cfg.head_stride()) {
         // The query block is done with: its shared memory stages the output rows.
         T::store_owned(
@@ -231,8 +253,8 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
         }
     }
     if T::writes_row_stats() {
-        let lse_base = batch * lse.stride(0) + out_head * lse.stride(1);
         let lse_row = lse.stride(2);
+        let lse_base = batch * lse.stride(0) + out_head * lse.stride(1) + q_row * lse_row;
         #[unroll]
         for slot in 0..cfg.rows_per_unit() {
             let query_row = coords.q_start + T::slot_row(slot, cfg);
@@ -423,7 +445,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     for block in first..end {
         let stage = (block - first) % 2;
         barriers.wait(stage);
-        if comptime!(cfg.tma && cfg.key_lengths.0) {
+        if comptime!(cfg.tma && (cfg.key_lengths.0 || cfg.varlen.0)) {
             zero_value_tail::<E>(
                 &mut values,
                 stage,
@@ -552,7 +574,8 @@ fn fetch_block<E: Float, M: Int>(
         coords.v_base,
         kv_start,
         coords.band.seq_k,
-    );
+    )
+    .from_row(coords.k_row);
     #[comptime]
     if let (ComptimeOption::Some(k_map), ComptimeOption::Some(v_map)) = (k_map, v_map) {
         fetch_stage_tma::<E>(
@@ -670,7 +693,8 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
             coords.v_base,
             first_row,
             coords.band.seq_k,
-        );
+        )
+        .from_row(coords.k_row);
         sync_cube();
         load_block::<E>(
             k,

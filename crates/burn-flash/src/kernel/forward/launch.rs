@@ -15,7 +15,8 @@ use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::{cube_count, cube_dim};
 use crate::kernel::pack::pack_mask;
 use crate::kernel::tensors::{
-    CachedKeys, F32, KernelTensor, ScoreInputs, U32, address_type, output, stage_map, tma_aligned,
+    CachedKeys, F32, KernelTensor, PackedRows, ScoreInputs, U32, address_type, output, stage_map,
+    tma_aligned,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 use crate::kernel::tuning::flag_override;
@@ -87,20 +88,105 @@ pub fn forward(
             lse.reshaped([batch, heads, 1]),
         );
     }
-    let client = q.client.clone();
+    launch(q, k, v, inputs, Sequences::Cached(cached), params)
+}
 
+/// Run the fused forward over sequences of different lengths packed along the rows:
+/// `q: [1, h, total_q, d]`, `k: [1, hkv, total_k, d]`, `v: [1, hkv, total_k, dv]` (any
+/// strides; rows read in place where they are 16-byte aligned), sequence `b` in the rows its
+/// `packed.starts` give, each its own attention problem (its causal diagonal, window and ALiBi
+/// distances placed on its own lengths). No mask or bias input. Returns the output
+/// `[1, h, total_q, dv]` (its elements in `[total_q, h, dv]` order, the layout the rows came
+/// in) and the log-sum-exp `[1, h, total_q]`; rows of a sequence without keys are 0 and `-inf`.
+pub fn forward_packed(
+    q: KernelTensor,
+    k: KernelTensor,
+    v: KernelTensor,
+    packed: PackedRows,
+    params: ScoreParams,
+) -> (KernelTensor, KernelTensor) {
+    let starts = &packed.starts;
+    assert!(
+        starts.dtype == U32 && starts.meta.shape().len() == 2 && starts.meta.shape()[0] == 2,
+        "packed starts are [2, sequences + 1] u32, not {:?} {:?}",
+        starts.meta.shape(),
+        starts.dtype
+    );
+    assert!(
+        q.meta.shape()[0] == 1 && k.meta.shape()[0] == 1 && v.meta.shape()[0] == 1,
+        "packed sequences are one batch"
+    );
+    let packed = PackedRows {
+        starts: packed.starts.into_contiguous(),
+        ..packed
+    };
+    let (q, k, v) = (
+        q.into_aligned_rows(),
+        k.into_aligned_rows(),
+        v.into_aligned_rows(),
+    );
+    launch(
+        q,
+        k,
+        v,
+        ScoreInputs::new(None, None),
+        Sequences::Packed(packed),
+        params,
+    )
+}
+
+/// Where each sequence's rows lie beside the tensors' own shapes.
+enum Sequences {
+    /// Each sequence in a batch entry of its own, its keys cut to a cache's lengths where given.
+    Cached(Option<CachedKeys>),
+    /// Sequences packed along the rows of one batch entry.
+    Packed(PackedRows),
+}
+
+/// Plan, allocate and enqueue one forward of inputs made ready by [`forward`] or
+/// [`forward_packed`].
+fn launch(
+    q: KernelTensor,
+    k: KernelTensor,
+    v: KernelTensor,
+    inputs: ScoreInputs,
+    sequences: Sequences,
+    params: ScoreParams,
+) -> (KernelTensor, KernelTensor) {
+    let client = q.client.clone();
+    let dims = q.meta.shape().clone();
+    let (heads, head_dim, total_q) = (dims[1], dims[3], dims[2]);
+    let value_dim = v.meta.shape()[3];
+    let (cached, packed) = match sequences {
+        Sequences::Cached(cached) => (cached, None),
+        Sequences::Packed(packed) => (None, Some(packed)),
+    };
+    let paged = cached.as_ref().is_some_and(|c| c.block_table.is_some());
+    let (batch, seq_q, seq_k) = match &packed {
+        Some(packed) => (
+            packed.starts.meta.shape()[1] - 1,
+            packed.max_query,
+            packed.max_key,
+        ),
+        None => (
+            dims[0],
+            total_q,
+            k.meta.shape()[2] * cached.as_ref().map_or(1, CachedKeys::pages_per_sequence),
+        ),
+    };
     let problem = ForwardProblem {
         dtype: q.dtype,
         batch,
         heads,
         seq_q,
-        seq_k: k.meta.shape()[2] * cached.as_ref().map_or(1, CachedKeys::pages_per_sequence),
+        seq_k,
         head_dim,
         value_dim,
         params,
         inputs: inputs.facts(),
         key_lengths: cached.is_some(),
         page_size: paged.then(|| k.meta.shape()[2]),
+        varlen: packed.is_some(),
         kv_tma_aligned: tma_aligned(&k) && tma_aligned(&v),
     };
     let plan = ForwardPlan::new(&DeviceCaps::of(&client, q.dtype), &problem)
@@ -111,9 +197,18 @@ pub fn forward(
         pack_mask: packs,
         kv_splits: splits,
     } = plan;
-    let out = output(&q, Shape::new([batch, heads, seq_q, value_dim]), q.dtype);
-    let lse = output(&q, Shape::new([batch, heads, seq_q]), F32);
-    if out.meta.num_elements() == 0 {
+    let (out, lse) = match &packed {
+        // Packed rows come `[total, h, d]`: the output is written in that order.
+        Some(_) => (
+            output(&q, Shape::new([1, total_q, heads, value_dim]), q.dtype).swapped(1, 2),
+            output(&q, Shape::new([1, heads, total_q]), F32),
+        ),
+        None => (
+            output(&q, Shape::new([batch, heads, seq_q, value_dim]), q.dtype),
+            output(&q, Shape::new([batch, heads, seq_q]), F32),
+        ),
+    };
+    if out.meta.num_elements() == 0 || batch == 0 {
         return (out, lse);
     }
     // Split keys: each split's output and log-sum-exp as heads `split · heads + head` of partial
@@ -180,6 +275,7 @@ pub fn forward(
                         .and_then(|c| c.block_table)
                         .map(KernelTensor::into_tensor_arg)
                         .into(),
+                    packed.map(|p| p.starts.into_tensor_arg()).into(),
                     kernel_out.clone().into_tensor_arg(),
                     kernel_lse.clone().into_tensor_arg(),
                     params.scale,

@@ -11,4 +11,4 @@ mod pages;
 pub(crate) mod plan;
 pub(super) mod sources;
 
-pub use launch::{forward, support};
+pub use launch::{forward, forward_packed, support};

@@ -23,6 +23,17 @@ pub struct BlockRows {
     pub end: usize,
 }
 
+#[cube]
+impl BlockRows {
+    /// These rows in a packed tensor whose sequence's keys start at row `row`.
+    pub fn from_row(self, row: usize) -> BlockRows {
+        let mut rows = self;
+        rows.first += row;
+        rows.end += row;
+        rows
+    }
+}
+
 /// Keys each sequence can hold: `k`'s rows, or with a block table its pages' rows.
 #[cube]
 pub fn key_capacity<E: Float>(k: &Tensor<E>, block_table: ComptimeOption<&Tensor<u32>>) -> usize {

@@ -33,6 +33,9 @@ pub struct ForwardProblem {
     pub key_lengths: bool,
     /// Rows of a page where K and V are paged ([`TileConfig::paged`]).
     pub page_size: Option<usize>,
+    /// Sequences are packed along the rows ([`TileConfig::varlen`]): `batch` counts them,
+    /// `seq_q` and `seq_k` are the longest one's.
+    pub varlen: bool,
     /// K and V can be read through tensor maps ([`tma_aligned`](crate::kernel::tensors::tma_aligned)).
     pub kv_tma_aligned: bool,
 }
@@ -84,6 +87,11 @@ impl ForwardPlan {
         let cfg = cfg.with_batch_inner(batch_inner(bias_batch, problem.batch));
         let cfg = if problem.key_lengths {
             cfg.with_key_lengths()
+        } else {
+            cfg
+        };
+        let cfg = if problem.varlen {
+            cfg.with_varlen()
         } else {
             cfg
         };
@@ -146,6 +154,9 @@ impl fmt::Display for ForwardPlan {
         }
         if cfg.paged.0 {
             write!(f, ", paged keys and values")?;
+        }
+        if cfg.varlen.0 {
+            write!(f, ", packed sequences")?;
         }
         if self.kv_splits > 1 {
             write!(
@@ -239,6 +250,10 @@ fn kv_splits(caps: &DeviceCaps, cfg: &TileConfig, problem: &ForwardProblem) -> u
     static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
     let forced = *OVERRIDE
         .get_or_init(|| choice_override("BURN_FLASH_KV_SPLITS", &[1, 2, 4, 8, 16, 32, 64]));
+    if problem.varlen {
+        // The partial outputs' merge reads whole `[b, h, sq]` rows, not packed ones.
+        return 1;
+    }
     if let Some(splits) = forced.or(problem.params.kv_splits) {
         return splits;
     }
@@ -419,6 +434,7 @@ mod tests {
             inputs,
             key_lengths: false,
             page_size: None,
+            varlen: false,
             kv_tma_aligned: true,
         }
     }

@@ -3,7 +3,9 @@
 use super::{Case, Inputs, assert_close, client};
 use crate::kernel::forward::launch::packed_group;
 use crate::kernel::tensors::F32;
-use crate::kernel::{ScoreInputs, ScoreParams, TilePath, forward, support};
+use crate::kernel::{
+    KernelTensor, PackedRows, ScoreInputs, ScoreParams, TilePath, forward, forward_packed, support,
+};
 use crate::{AttentionWindow, CausalAlignment, FlashAttentionOptions};
 
 /// The kernel parameters of `case`'s options.
@@ -324,5 +326,121 @@ fn paged_keys_match_the_reference() {
     for (seed, (case, splits)) in cases.iter().enumerate() {
         let adjust = |params: ScoreParams| params.with_pack_groups(true).with_kv_splits(*splits);
         check_with(case, 800 + seed as u64, adjust);
+    }
+}
+
+/// Sequences of different lengths packed along the rows (`[total, heads, dim]`), each its own
+/// attention problem: lengths 0 and 1, within a block and over several, more keys than queries
+/// and fewer (a sequence's first queries then see nothing, causal bottom-right), keys without
+/// queries and queries without keys; grouped heads, a value dim of its own, a window, the
+/// top-left alignment. Each sequence's reference is computed alone, so a key read from a
+/// neighbour shows.
+#[test]
+fn packed_sequences_match_the_reference() {
+    let same = |lengths: &[usize]| lengths.iter().map(|&n| (n, n)).collect::<Vec<_>>();
+    let cases: [(Vec<(usize, usize)>, Case); 5] = [
+        (same(&[37, 0, 1, 100, 64]), Case::new(1, 2, 0, 0, 32)),
+        (
+            same(&[37, 0, 1, 100, 64]),
+            Case::new(1, 4, 0, 0, 32).kv_heads(2).causal(),
+        ),
+        (
+            vec![(5, 90), (0, 7), (3, 0), (70, 33), (1, 1)],
+            Case::new(1, 4, 0, 0, 64).kv_heads(1).causal().value_dim(16),
+        ),
+        (
+            vec![(40, 90), (33, 33), (9, 60)],
+            Case::new(1, 2, 0, 0, 32).options(
+                FlashAttentionOptions::causal().with_window(AttentionWindow::new(Some(20), None)),
+            ),
+        ),
+        (
+            vec![(40, 90), (70, 33), (9, 9)],
+            Case::new(1, 2, 0, 0, 32).options(
+                FlashAttentionOptions::causal().with_causal_alignment(CausalAlignment::TopLeft),
+            ),
+        ),
+    ];
+    let client = client();
+    for (n, (lengths, shape)) in cases.iter().enumerate() {
+        let (h, hkv, d, dv) = (shape.heads, shape.kv_heads, shape.head_dim, shape.value_dim);
+        let sequences: Vec<(Case, Inputs)> = lengths
+            .iter()
+            .enumerate()
+            .map(|(s, &(lq, lk))| {
+                let case = Case {
+                    seq_q: lq,
+                    seq_k: lk,
+                    ..shape.clone()
+                };
+                let inputs = Inputs::draw(&case, 900 + 10 * n as u64 + s as u64);
+                (case, inputs)
+            })
+            .collect();
+        let total_q: usize = lengths.iter().map(|l| l.0).sum();
+        let total_k: usize = lengths.iter().map(|l| l.1).sum();
+        // `[b, heads, rows, dim]` of each sequence into `[total, heads, dim]`.
+        let pack = |part: fn(&Inputs) -> &Vec<f32>, rows: fn(&Case) -> usize, heads, dim| {
+            let mut packed = Vec::new();
+            for (case, inputs) in &sequences {
+                for row in 0..rows(case) {
+                    for head in 0..heads {
+                        let at = (head * rows(case) + row) * dim;
+                        packed.extend_from_slice(&part(inputs)[at..at + dim]);
+                    }
+                }
+            }
+            packed
+        };
+        let upload = |values: Vec<f32>, rows, heads, dim| {
+            KernelTensor::from_f32(&client, &values, [1, rows, heads, dim]).swapped(1, 2)
+        };
+        let q = upload(pack(|i| &i.q, |c| c.seq_q, h, d), total_q, h, d);
+        let k = upload(pack(|i| &i.k, |c| c.seq_k, hkv, d), total_k, hkv, d);
+        let v = upload(pack(|i| &i.v, |c| c.seq_k, hkv, dv), total_k, hkv, dv);
+        let mut starts = vec![0u32; 2 * (lengths.len() + 1)];
+        for (s, &(lq, lk)) in lengths.iter().enumerate() {
+            starts[s + 1] = starts[s] + lq as u32;
+            starts[lengths.len() + 2 + s] = starts[lengths.len() + 1 + s] + lk as u32;
+        }
+        let packed = PackedRows {
+            starts: KernelTensor::from_values(&client, &starts, [2, lengths.len() + 1]),
+            max_query: lengths.iter().map(|l| l.0).max().unwrap(),
+            max_key: lengths.iter().map(|l| l.1).max().unwrap(),
+        };
+        let params = ScoreParams::new(&shape.options, h, d, packed.max_query, packed.max_key)
+            .with_key_lengths(&shape.options);
+        let (out, lse) = forward_packed(q, k, v, packed, params);
+        assert_eq!(out.meta.shape()[..], [1, h, total_q, dv]);
+        // The references, each sequence alone, in the launch's `[heads, total_q, ..]` order.
+        let mut expected_out = vec![0.0; h * total_q * dv];
+        let mut expected_lse = vec![0.0; h * total_q];
+        let mut row = 0;
+        for (case, inputs) in &sequences {
+            let (out, lse) = inputs.forward(case);
+            for head in 0..h {
+                for i in 0..case.seq_q {
+                    let from = head * case.seq_q + i;
+                    let to = head * total_q + row + i;
+                    expected_lse[to] = lse[from];
+                    expected_out[to * dv..(to + 1) * dv]
+                        .copy_from_slice(&out[from * dv..(from + 1) * dv]);
+                }
+            }
+            row += case.seq_q;
+        }
+        let label = format!("packed {lengths:?} {shape:?}");
+        assert_close(
+            &format!("{label} output"),
+            &out.read::<f32>(),
+            &expected_out,
+            2e-5,
+        );
+        assert_close(
+            &format!("{label} lse"),
+            &lse.read::<f32>(),
+            &expected_lse,
+            2e-5,
+        );
     }
 }

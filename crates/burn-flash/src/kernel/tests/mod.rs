@@ -10,7 +10,7 @@ use cubecl::Device;
 use cubecl::prelude::*;
 
 use super::tensors::KernelTensor;
-use crate::FlashAttentionOptions;
+use crate::{CausalAlignment, FlashAttentionOptions};
 
 /// The client of the default wgpu device, outputs poisoned for every launch of this process.
 pub fn client() -> Client {
@@ -297,10 +297,13 @@ impl Inputs {
     }
 
     /// The keys query `i` of `(b, h)` sees: those of its sequence's length, the band of the
-    /// options (bottom-right aligned on that length), then the mask.
+    /// options (aligned bottom-right on that length, or top-left), then the mask.
     fn seen(&self, case: &Case, b: usize, h: usize, i: usize) -> Vec<usize> {
         let seq_k = case.key_length(b);
-        let diag = i as i64 + seq_k as i64 - case.seq_q as i64;
+        let diag = match case.options.causal_alignment {
+            CausalAlignment::BottomRight => i as i64 + seq_k as i64 - case.seq_q as i64,
+            CausalAlignment::TopLeft => i as i64,
+        };
         let window = case.options.window.unwrap_or_default();
         (0..seq_k)
             .filter(|&j| {
