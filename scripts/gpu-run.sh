@@ -11,6 +11,7 @@
 #   scripts/gpu-run.sh table   # docs/performance.md's table: forward and training step (both dQ) beside the torch script
 #   scripts/gpu-run.sh timing  # our forward timed b2b and clear (as do_bench), beside the torch script
 #   scripts/gpu-run.sh decode  # KV-cache decoding (bench-decode) beside the torch decode script (DECODE_ARGS)
+#   scripts/gpu-run.sh varlen  # packed variable-length batches (bench-varlen) beside the torch varlen script (VARLEN_ARGS)
 #   scripts/gpu-run.sh tune    # burn-flash forward per BURN_FLASH_TC_SHAPE in $SHAPES
 #   scripts/gpu-run.sh features # issue 6's feature table (FEATURE_MODES, default fwd; BENCH_ARGS)
 #   scripts/gpu-run.sh memory  # one training step per impl and length (b1 h16 d128), one process each
@@ -250,6 +251,15 @@ EOF
           | tee -a "$OUT/decode.csv"
       done
     done
+    ;;
+  varlen)
+    # Variable-length batches: PyTorch's nested-tensor flash attention and its padded backends,
+    # and ours packed and padded, same call (VARLEN_ARGS: the flags both programs take, --mean
+    # --tokens --d --h --causal --modes --seed --iters).
+    python3 scripts/torch_varlen_bench.py ${VARLEN_ARGS:-} 2>"$OUT/torch-varlen.err" \
+      | tee "$OUT/torch-varlen.csv"
+    timeout "${VARLEN_TIMEOUT:-400}" $BIN/bench-varlen ${VARLEN_ARGS:-} 2>"$OUT/varlen.err" \
+      | tee "$OUT/varlen.csv"
     ;;
   timing)
     # The bench's two timing methods against each other (docs/performance.md, "Timing method

@@ -50,7 +50,7 @@ cargo test --release --features cuda --test suite --no-run --message-format json
   | executables test | while read -r name exe; do cp "$exe" ".gpu/test-$name"; done
 # `cargo build --release` rather than `cargo bench`: the bench profile would build every
 # dependency a second time.
-cargo build --release --features cuda --bench attention --bench decode --message-format json \
+cargo build --release --features cuda --bench attention --bench decode --bench varlen --message-format json \
   | executables bench | while read -r name exe; do cp "$exe" ".gpu/bench-$name"; done
 cp ../shared/tools/torch_sdpa_bench.py .gpu/
 strip .gpu/test-* .gpu/bench-*

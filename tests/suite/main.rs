@@ -7,6 +7,9 @@
 //!   tile.
 //! - `lengths`: `try_flash_attention_with_lengths` on each of its paths, on wgpu and, with
 //!   feature `cuda`, on the tensor-core tile.
+//! - `varlen`: `try_flash_attention_varlen` on packed sequences of different lengths, on each
+//!   of its paths, gradients included, on wgpu and, with feature `cuda`, on the tensor-core
+//!   tile.
 //! - `masks`: boolean masks and additive biases, on wgpu (f32, portable tile) and, with feature
 //!   `cuda`, on the tensor-core tile.
 //! - `reliability`: random shapes and options, extreme logits, non-finite inputs and concurrent
@@ -31,3 +34,4 @@ mod lengths;
 mod masks;
 mod nn_wgpu;
 mod reliability;
+mod varlen;

@@ -185,6 +185,21 @@ pub enum KeyCache<B: Backend> {
     /// its keys `p · page_size ..` in page `block_table[b, p]` (`block_table: [batch, pages
     /// per sequence]`). `page_size` is a multiple of 64.
     Paged(IntTensor<B>, IntTensor<B>),
+    /// Sequences of different lengths packed along the rows: `q: [1, heads, total_q,
+    /// head_dim]`, `k: [1, kv_heads, total_k, head_dim]` and `v` alike (any strides: the views
+    /// of FlashAttention-2's `[total, heads, dim]`), the output `[1, heads, total_q,
+    /// value_dim]` in `[total_q, heads, value_dim]` order. Sequence `b`'s queries are rows
+    /// `starts[0, b]..starts[0, b + 1]`, its keys `starts[1, b]..starts[1, b + 1]` (`starts:
+    /// [2, sequences + 1]`, each row cumulative from 0); `max_query` and `max_key` are the
+    /// longest sequence's lengths.
+    Packed {
+        /// The cumulative query (row 0) and key (row 1) lengths.
+        starts: IntTensor<B>,
+        /// The longest sequence's queries.
+        max_query: usize,
+        /// The longest sequence's keys.
+        max_key: usize,
+    },
 }
 
 /// What the fused forward returns.

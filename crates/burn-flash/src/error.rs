@@ -187,6 +187,24 @@ pub enum FlashAttentionError {
         /// Pages the append needs.
         needed: usize,
     },
+    /// The query and key lengths of [`PackedSequences::with_keys`](crate::PackedSequences)
+    /// count different numbers of sequences.
+    PackedLengths {
+        /// Sequences the query lengths count.
+        queries: usize,
+        /// Sequences the key lengths count.
+        keys: usize,
+    },
+    /// An input of [`try_flash_attention_varlen`](crate::try_flash_attention_varlen) does not
+    /// have the rows (dim 0) its [`PackedSequences`](crate::PackedSequences) add up to.
+    PackedRows {
+        /// `q` or `k`.
+        input: &'static str,
+        /// The rows the sequences add up to.
+        expected: usize,
+        /// The input's rows.
+        got: usize,
+    },
 }
 
 impl fmt::Display for FlashAttentionError {
@@ -299,6 +317,18 @@ impl fmt::Display for FlashAttentionError {
             Self::PagesExhausted { free, needed } => write!(
                 f,
                 "the paged cache has {free} free pages, the append needs {needed}"
+            ),
+            Self::PackedLengths { queries, keys } => write!(
+                f,
+                "packed sequences need one key length per query length, got {queries} and {keys}"
+            ),
+            Self::PackedRows {
+                input,
+                expected,
+                got,
+            } => write!(
+                f,
+                "the packed sequences add up to {expected} rows of {input} (dim 0), got {got}"
             ),
         }
     }

@@ -77,7 +77,7 @@ pub fn try_flash_attention_with_lengths(
         let shape = [p.batch, p.heads, p.seq_q, p.value_dim];
         return Ok(Tensor::zeros(shape, (&q.device(), p.dtype)));
     }
-    let tracked = [&q, &k, &v].iter().any(|t| t.is_require_grad());
+    let tracked = [&q, &k, &v].iter().any(|t| t.is_tracked());
     let fused = matches!(
         route,
         FlashAttentionPlan::Fused(_) | FlashAttentionPlan::FusedPadded { .. }
@@ -211,7 +211,7 @@ pub fn try_flash_attention_paged(
         let shape = [p.batch, p.heads, p.seq_q, p.value_dim];
         return Ok(Tensor::zeros(shape, (&q.device(), p.dtype)));
     }
-    let tracked = [&q, &k_pages, &v_pages].iter().any(|t| t.is_require_grad());
+    let tracked = [&q, &k_pages, &v_pages].iter().any(|t| t.is_tracked());
     let dropout = options.dropout.is_some_and(|d| d.is_active());
     if matches!(route, FlashAttentionPlan::Fused(_)) && !tracked && !dropout {
         let output = <Dispatch as FlashAttentionBackend>::flash_attention_forward_cached(

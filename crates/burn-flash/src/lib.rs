@@ -54,6 +54,7 @@ mod paged;
 mod support;
 #[doc(hidden)]
 pub mod testing;
+mod varlen;
 
 pub use api::{
     AttentionMask, FlashAttentionPlan, flash_attention, flash_attention_masked,
@@ -73,3 +74,4 @@ pub use options::{
 };
 pub use paged::PagedKvCache;
 pub use support::{flash_attention_backward_support, flash_attention_support};
+pub use varlen::{PackedSequences, try_flash_attention_varlen};

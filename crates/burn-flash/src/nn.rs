@@ -29,6 +29,7 @@ use crate::api::{AttentionMask, burn_attention, flash_attention_masked};
 use crate::cache::KvCache;
 use crate::error::FlashAttentionError;
 use crate::options::{AttentionWindow, FlashAttentionOptions};
+use crate::varlen::{PackedSequences, try_flash_attention_varlen};
 
 /// Which implementation computes the attention inside [`FlashMultiHeadAttention`]. All three
 /// compute the same function; they differ in speed and memory.
@@ -420,6 +421,57 @@ impl FlashMultiHeadAttention {
             .append_and_attend(q, k, v, self.options)?
             .swap_dims(1, 2)
             .reshape([batch, n, self.d_model]);
+        Ok(self.output.forward(context))
+    }
+
+    /// Self-attention over a batch of sequences of different lengths packed along the rows
+    /// (`x: [total, d_model]`, sequence `b` in the rows `sequences` gives it; see
+    /// [`PackedSequences`]): each sequence attends to itself only, with this module's options
+    /// (causal per sequence where the module is causal), and no position is padded. Returns
+    /// `[total, d_model]`, row for row what [`forward_self`](Self::forward_self) gives each
+    /// sequence alone. Always the fused kernel through
+    /// [`try_flash_attention_varlen`](crate::try_flash_attention_varlen), whatever
+    /// [`kernel`](Self::kernel) says; with dropout in training (an autodiff device), the
+    /// fused kernel's dropout.
+    ///
+    /// # Errors
+    ///
+    /// Those of [`try_flash_attention_varlen`](crate::try_flash_attention_varlen): rows that do
+    /// not add up to `sequences`, or `sequences` on another device.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use burn::tensor::{Device, Distribution, Tensor};
+    /// use burn_flash::nn::FlashMultiHeadAttentionConfig;
+    /// use burn_flash::PackedSequences;
+    ///
+    /// let device = Device::wgpu(Default::default());
+    /// let attention = FlashMultiHeadAttentionConfig::new(256, 4)
+    ///     .with_causal(true)
+    ///     .init(&device);
+    /// // Documents of 120, 7 and 300 tokens, packed without padding.
+    /// let packed = PackedSequences::new(&[120, 7, 300], &device);
+    /// let x = Tensor::<2>::random([427, 256], Distribution::Normal(0.0, 1.0), &device);
+    /// let y = attention.forward_packed(x, &packed).unwrap(); // [427, 256]
+    /// ```
+    pub fn forward_packed(
+        &self,
+        x: Tensor<2>,
+        sequences: &PackedSequences,
+    ) -> Result<Tensor<2>, FlashAttentionError> {
+        let [total, _] = x.dims();
+        let heads = |x: Tensor<2>, heads| x.reshape([total, heads, self.d_k]);
+        let q = heads(self.query.forward(x.clone()), self.n_heads);
+        let k = heads(self.key.forward(x.clone()), self.n_kv_heads);
+        let v = heads(self.value.forward(x), self.n_kv_heads);
+        let options = if q.device().is_autodiff() && self.dropout > 0.0 {
+            self.options.with_dropout(self.dropout, next_dropout_seed())
+        } else {
+            self.options
+        };
+        let context =
+            try_flash_attention_varlen(q, k, v, sequences, options)?.reshape([total, self.d_model]);
         Ok(self.output.forward(context))
     }
 

@@ -136,6 +136,15 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         let keys = match keys {
             KeyCache::Lengths(lengths) => KeyCache::Lengths(lengths),
             KeyCache::Paged(lengths, table) => KeyCache::Paged(lengths, table),
+            KeyCache::Packed {
+                starts,
+                max_query,
+                max_key,
+            } => KeyCache::Packed {
+                starts,
+                max_query,
+                max_key,
+            },
         };
         let output = B::flash_attention_forward_cached(
             q.into_primitive(),

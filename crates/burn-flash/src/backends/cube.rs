@@ -110,6 +110,30 @@ impl FlashAttentionBackend for CubeBackend {
                 );
                 (k, v, (lengths, Some(table)), seq_k)
             }
+            KeyCache::Packed {
+                starts,
+                max_query,
+                max_key,
+            } => {
+                let shape = q.shape();
+                let params =
+                    kernel::ScoreParams::new(&options, shape[1], shape[3], max_query, max_key)
+                        .with_key_lengths(&options);
+                let device = q.device.clone();
+                let packed = kernel::PackedRows {
+                    starts: to_kernel(unsigned(starts)),
+                    max_query,
+                    max_key,
+                };
+                let (output, _) = kernel::forward_packed(
+                    to_kernel(q),
+                    to_kernel(k),
+                    to_kernel(v),
+                    packed,
+                    params,
+                );
+                return from_kernel(output, &device);
+            }
         };
         let shape = q.shape();
         let params = kernel::ScoreParams::new(&options, shape[1], shape[3], shape[2], seq_k)

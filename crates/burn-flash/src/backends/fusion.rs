@@ -93,12 +93,14 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for F
     }
 }
 
-/// The lazy forward over a cache: inputs `[q, k, v, lengths, block_table?]`, output
-/// `[output]`.
+/// The lazy forward over a cache: inputs `[q, k, v, lengths, block_table?]` or, packed,
+/// `[q, k, v, starts]`, output `[output]`.
 #[derive(Debug)]
 struct CachedOp<B> {
     desc: CustomOpIr,
     options: FlashAttentionOptions,
+    /// The longest packed sequence's queries and keys, where the sequences are packed.
+    packed: Option<(usize, usize)>,
     _backend: PhantomData<B>,
 }
 
@@ -108,10 +110,15 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for C
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) -> Result<(), ExecutionError> {
         let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
-        let lengths = handles.get_int_tensor::<B>(&inputs[3]);
-        let keys = match inputs.get(4) {
-            Some(table) => KeyCache::Paged(lengths, handles.get_int_tensor::<B>(table)),
-            None => KeyCache::Lengths(lengths),
+        let first = handles.get_int_tensor::<B>(&inputs[3]);
+        let keys = match (self.packed, inputs.get(4)) {
+            (Some((max_query, max_key)), _) => KeyCache::Packed {
+                starts: first,
+                max_query,
+                max_key,
+            },
+            (None, Some(table)) => KeyCache::Paged(first, handles.get_int_tensor::<B>(table)),
+            (None, None) => KeyCache::Lengths(first),
         };
         let output = B::flash_attention_forward_cached(
             handles.get_float_tensor::<B>(&inputs[0]),
@@ -222,14 +229,24 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
             q.dtype,
         );
         let mut irs = vec![q.into_ir(), k.into_ir(), v.into_ir()];
+        let mut packed = None;
         match keys {
             KeyCache::Lengths(lengths) => irs.push(lengths.into_ir()),
             KeyCache::Paged(lengths, table) => irs.extend([lengths.into_ir(), table.into_ir()]),
+            KeyCache::Packed {
+                starts,
+                max_query,
+                max_key,
+            } => {
+                irs.push(starts.into_ir());
+                packed = Some((max_query, max_key));
+            }
         }
         let desc = CustomOpIr::new(CACHED_OP, &irs, &[output]);
         let op = CachedOp::<B> {
             desc: desc.clone(),
             options,
+            packed,
             _backend: PhantomData,
         };
         let mut outputs = client

@@ -1,0 +1,438 @@
+//! `try_flash_attention_varlen`: sequences of different lengths packed along the rows of
+//! `[total, heads, dim]` tensors, against an f64 reference that attends each sequence alone
+//! (its own inputs, its diagonal on its own lengths), on every path the call takes: the fused
+//! forward reading the packed rows in place, the padded batch where a gradient is needed
+//! (gradients checked too), and Burn's unfused attention where no tile runs the head dim. On
+//! wgpu (f32, the portable tile) and, with feature `cuda`, on the tensor-core tile in bf16.
+//! Outputs are poisoned with NaN before the kernels run.
+
+use crate::common;
+
+use burn::tensor::{DType, Device, Distribution, Tensor};
+use burn_flash::{FlashAttentionError, PackedSequences, try_flash_attention_varlen};
+use common::{Error, Inputs, Problem, Spec, error, reference_grads, to_host, widen};
+
+/// One packed batch: each sequence's (queries, keys), and the heads and dims they share.
+#[derive(Clone, Debug)]
+struct Batch {
+    lengths: Vec<(usize, usize)>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    value_dim: usize,
+}
+
+impl Batch {
+    fn new(lengths: &[(usize, usize)], heads: usize, kv_heads: usize, head_dim: usize) -> Self {
+        Self {
+            lengths: lengths.to_vec(),
+            heads,
+            kv_heads,
+            head_dim,
+            value_dim: head_dim,
+        }
+    }
+
+    /// Self-attention: queries and keys of the same lengths.
+    fn same(lengths: &[usize], heads: usize, kv_heads: usize, head_dim: usize) -> Self {
+        let pairs: Vec<_> = lengths.iter().map(|&n| (n, n)).collect();
+        Self::new(&pairs, heads, kv_heads, head_dim)
+    }
+
+    fn value_dim(self, value_dim: usize) -> Self {
+        Self { value_dim, ..self }
+    }
+
+    /// Sequence `s` as a one-sequence problem of its own.
+    fn problem(&self, s: usize) -> Problem {
+        let (lq, lk) = self.lengths[s];
+        Problem::cross(1, self.heads, lq, lk, self.head_dim)
+            .grouped(self.kv_heads)
+            .with_value_dim(self.value_dim)
+    }
+
+    fn packing(&self, device: &Device) -> PackedSequences {
+        let (queries, keys): (Vec<usize>, Vec<usize>) = self.lengths.iter().copied().unzip();
+        PackedSequences::with_keys(&queries, &keys, device).expect("as many keys as queries")
+    }
+}
+
+/// `[1, heads, rows, dim]` host values of each sequence, packed into `[total, heads, dim]`.
+fn pack(parts: &[(&[f64], usize)], heads: usize, dim: usize) -> Vec<f64> {
+    let mut packed = Vec::new();
+    for &(values, rows) in parts {
+        for row in 0..rows {
+            for head in 0..heads {
+                let at = (head * rows + row) * dim;
+                packed.extend_from_slice(&values[at..at + dim]);
+            }
+        }
+    }
+    packed
+}
+
+/// A `[total, heads, dim]` device tensor of `dtype` holding `values` (representable in it).
+fn packed_tensor(values: &[f64], dims: [usize; 3], dtype: DType, device: &Device) -> Tensor<3> {
+    let values: Vec<f32> = values.iter().map(|&x| x as f32).collect();
+    common::tensor_from_host(&values, [1, dims[0], dims[1], dims[2]], dtype, device).reshape(dims)
+}
+
+/// Each sequence's inputs, the packed device tensors and the packed reference output (and, with
+/// `grad_out`, the packed reference gradients of `sum(out ∘ grad_out)`).
+struct Packed {
+    inputs: Vec<Inputs>,
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+}
+
+impl Packed {
+    fn draw(batch: &Batch, dtype: DType, seed: u64, device: &Device) -> Self {
+        let inputs: Vec<Inputs> = (0..batch.lengths.len())
+            .map(|s| Inputs::random(batch.problem(s), dtype, seed * 100 + s as u64))
+            .collect();
+        let widened: Vec<[Vec<f64>; 3]> = inputs
+            .iter()
+            .map(|i| [widen(&i.q), widen(&i.k), widen(&i.v)])
+            .collect();
+        let side = |n: usize, heads: usize, dim: usize, rows: fn(&(usize, usize)) -> usize| {
+            let parts: Vec<(&[f64], usize)> = widened
+                .iter()
+                .zip(&batch.lengths)
+                .map(|(w, l)| (&w[n][..], rows(l)))
+                .collect();
+            let total = batch.lengths.iter().map(rows).sum();
+            packed_tensor(
+                &pack(&parts, heads, dim),
+                [total, heads, dim],
+                dtype,
+                device,
+            )
+        };
+        let (h, hkv, d, dv) = (batch.heads, batch.kv_heads, batch.head_dim, batch.value_dim);
+        Self {
+            q: side(0, h, d, |l| l.0),
+            k: side(1, hkv, d, |l| l.1),
+            v: side(2, hkv, dv, |l| l.1),
+            inputs,
+        }
+    }
+
+    /// The packed reference output `[total_q, heads, value_dim]`.
+    fn reference(&self, batch: &Batch, spec: Spec) -> Vec<f64> {
+        let outs: Vec<Vec<f64>> = self
+            .inputs
+            .iter()
+            .map(|i| i.reference(spec, None).0)
+            .collect();
+        let parts: Vec<(&[f64], usize)> = outs
+            .iter()
+            .zip(&batch.lengths)
+            .map(|(o, l)| (&o[..], l.0))
+            .collect();
+        pack(&parts, batch.heads, batch.value_dim)
+    }
+
+    /// The packed reference gradients of q, k and v for the packed output gradient `grad_out`.
+    fn reference_grads(&self, batch: &Batch, spec: Spec, grad_out: &[f64]) -> [Vec<f64>; 3] {
+        let (h, hkv, d, dv) = (batch.heads, batch.kv_heads, batch.head_dim, batch.value_dim);
+        let mut row = 0;
+        let mut grads = Vec::new();
+        for (inputs, &(lq, _)) in self.inputs.iter().zip(&batch.lengths) {
+            // This sequence's `[total, h, dv]` rows as `[1, h, lq, dv]`.
+            let mut g = vec![0.0; h * lq * dv];
+            for i in 0..lq {
+                for head in 0..h {
+                    let from = ((row + i) * h + head) * dv;
+                    g[(head * lq + i) * dv..][..dv].copy_from_slice(&grad_out[from..from + dv]);
+                }
+            }
+            row += lq;
+            let (q, k, v) = (widen(&inputs.q), widen(&inputs.k), widen(&inputs.v));
+            grads.push(reference_grads(&inputs.problem, &q, &k, &v, &g, spec, None));
+        }
+        let side = |pick: fn(&(Vec<f64>, Vec<f64>, Vec<f64>)) -> &Vec<f64>,
+                    rows: fn(&(usize, usize)) -> usize,
+                    heads,
+                    dim| {
+            let parts: Vec<(&[f64], usize)> = grads
+                .iter()
+                .zip(&batch.lengths)
+                .map(|(g, l)| (&pick(g)[..], rows(l)))
+                .collect();
+            pack(&parts, heads, dim)
+        };
+        [
+            side(|g| &g.0, |l| l.0, h, d),
+            side(|g| &g.1, |l| l.1, hkv, d),
+            side(|g| &g.2, |l| l.1, hkv, dv),
+        ]
+    }
+}
+
+/// Causal and not, a window, top-left.
+fn specs() -> Vec<Spec> {
+    vec![
+        Spec::from(true),
+        Spec::from(false),
+        Spec {
+            causal: true,
+            left: Some(20),
+            ..Spec::default()
+        },
+        Spec::from(true).top_left(),
+    ]
+}
+
+/// The forward of every spec on fresh inputs of `batch`; returns the failures.
+fn run(
+    device: &Device,
+    dtype: DType,
+    batch: &Batch,
+    seed: u64,
+    accept: impl Fn(&Error) -> bool,
+) -> Vec<String> {
+    burn_flash::testing::poison_outputs(true);
+    let packing = batch.packing(device);
+    let mut failures = Vec::new();
+    for (n, spec) in specs().into_iter().enumerate() {
+        let packed = Packed::draw(batch, dtype, seed + n as u64, device);
+        let got = try_flash_attention_varlen(
+            packed.q.clone(),
+            packed.k.clone(),
+            packed.v.clone(),
+            &packing,
+            spec.options(None),
+        )
+        .expect("valid inputs");
+        assert_eq!(
+            got.dims(),
+            [packing.total_queries(), batch.heads, batch.value_dim]
+        );
+        let err = error(
+            &to_host(got),
+            &packed.reference(batch, spec),
+            batch.value_dim,
+        );
+        let label = format!("{dtype:?} {batch:?} {spec}");
+        eprintln!("{label}: {err}");
+        if !accept(&err) {
+            failures.push(format!("{label}: {err}"));
+        }
+    }
+    failures
+}
+
+/// The gradients of q, k and v through an autodiff `device` for every spec; returns the
+/// failures.
+fn run_grads(
+    device: &Device,
+    dtype: DType,
+    batch: &Batch,
+    seed: u64,
+    accept: impl Fn(&Error) -> bool,
+) -> Vec<String> {
+    burn_flash::testing::poison_outputs(true);
+    let packing = batch.packing(device);
+    let mut failures = Vec::new();
+    for (n, spec) in specs().into_iter().enumerate() {
+        let packed = Packed::draw(batch, dtype, seed + n as u64, device);
+        let [q, k, v] = [&packed.q, &packed.k, &packed.v].map(|t| t.clone().require_grad());
+        let out = try_flash_attention_varlen(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            &packing,
+            spec.options(None),
+        )
+        .expect("valid inputs");
+        let grad_out =
+            Tensor::<3>::random(out.dims(), Distribution::Normal(0.0, 1.0), device).cast(dtype);
+        let grad_host = to_host(grad_out.clone());
+        let grads = (out.clone() * grad_out).sum().backward();
+        let expected_out = packed.reference(batch, spec);
+        let expected = packed.reference_grads(batch, spec, &grad_host);
+        let checks = [
+            ("out", to_host(out), expected_out, batch.value_dim),
+            (
+                "dq",
+                to_host(q.grad(&grads).expect("dq")),
+                expected[0].clone(),
+                batch.head_dim,
+            ),
+            (
+                "dk",
+                to_host(k.grad(&grads).expect("dk")),
+                expected[1].clone(),
+                batch.head_dim,
+            ),
+            (
+                "dv",
+                to_host(v.grad(&grads).expect("dv")),
+                expected[2].clone(),
+                batch.value_dim,
+            ),
+        ];
+        for (what, got, expected, row) in checks {
+            let err = error(&got, &expected, row);
+            let label = format!("{dtype:?} {batch:?} {spec} {what}");
+            eprintln!("{label}: {err}");
+            if !accept(&err) {
+                failures.push(format!("{label}: {err}"));
+            }
+        }
+    }
+    failures
+}
+
+/// Self-attention over lengths 37, 0, 1, 100 and 64 (within a block, none, one, several
+/// blocks, whole blocks).
+const LENGTHS: [usize; 5] = [37, 0, 1, 100, 64];
+
+/// Cross lengths: more keys than queries and fewer (the first queries then see nothing, causal
+/// bottom-right), keys without queries, queries without keys.
+const CROSS: [(usize, usize); 5] = [(5, 90), (0, 7), (3, 0), (70, 33), (1, 1)];
+
+mod wgpu {
+    use super::*;
+    use burn::tensor::Device;
+
+    /// Tolerance of the f32 results, as in `forward_wgpu`.
+    const TOLERANCE: f64 = 1e-4;
+
+    fn accept(err: &Error) -> bool {
+        err.finite() && err.relative <= TOLERANCE && err.max_abs <= TOLERANCE * err.ref_max.max(1.0)
+    }
+
+    /// The fused forward (untracked) on self-attention and cross lengths with grouped heads
+    /// and a value dim of its own, and Burn's unfused attention through the padded batch (head
+    /// dim 300, which no tile runs).
+    #[test]
+    fn packed_sequences_match_the_reference() {
+        let device = Device::wgpu(Default::default());
+        let mut failures = run(
+            &device,
+            DType::F32,
+            &Batch::same(&LENGTHS, 4, 2, 32),
+            10,
+            accept,
+        );
+        failures.extend(run(
+            &device,
+            DType::F32,
+            &Batch::new(&CROSS, 4, 1, 64).value_dim(16),
+            20,
+            accept,
+        ));
+        failures.extend(run(
+            &device,
+            DType::F32,
+            &Batch::new(&[(9, 40), (33, 33), (2, 0)], 2, 2, 300),
+            30,
+            accept,
+        ));
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// Gradients where q, k and v require them: the padded batch through the fused backward,
+    /// self-attention and cross lengths.
+    #[test]
+    fn packed_gradients_match_the_reference() {
+        let device = Device::wgpu(Default::default()).autodiff();
+        let mut failures = run_grads(
+            &device,
+            DType::F32,
+            &Batch::same(&LENGTHS, 4, 2, 32),
+            40,
+            accept,
+        );
+        failures.extend(run_grads(
+            &device,
+            DType::F32,
+            &Batch::new(&CROSS, 2, 1, 32).value_dim(16),
+            50,
+            accept,
+        ));
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// Rows that do not add up to the packing, lists of different lengths, and keys and values
+    /// of different rows are refused.
+    #[test]
+    fn bad_packings_are_refused() {
+        let device = Device::wgpu(Default::default());
+        let x = |rows| Tensor::<3>::zeros([rows, 2, 16], &device);
+        let packing = PackedSequences::new(&[3, 4], &device);
+        let options = burn_flash::FlashAttentionOptions::new();
+        assert_eq!(
+            try_flash_attention_varlen(x(6), x(7), x(7), &packing, options).unwrap_err(),
+            FlashAttentionError::PackedRows {
+                input: "q",
+                expected: 7,
+                got: 6
+            }
+        );
+        assert_eq!(
+            try_flash_attention_varlen(x(7), x(8), x(8), &packing, options).unwrap_err(),
+            FlashAttentionError::PackedRows {
+                input: "k",
+                expected: 7,
+                got: 8
+            }
+        );
+        assert_eq!(
+            try_flash_attention_varlen(x(7), x(7), x(6), &packing, options).unwrap_err(),
+            FlashAttentionError::KeyValueLengthMismatch { k: 7, v: 6 }
+        );
+        assert_eq!(
+            PackedSequences::with_keys(&[1, 2], &[3], &device).unwrap_err(),
+            FlashAttentionError::PackedLengths {
+                queries: 2,
+                keys: 1
+            }
+        );
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use crate::common::cuda::{cuda_device, has_tensor_cores};
+    use common::unit_roundoff;
+
+    /// The sanity bound of `lengths::cuda` in bf16.
+    fn accept(err: &Error) -> bool {
+        let u = unit_roundoff(DType::BF16);
+        err.finite() && err.relative <= 4.0 * u && err.max_abs <= 8.0 * u * err.ref_max
+    }
+
+    /// The gradients' bound in bf16: `backward_cuda`'s sanity bound (16 units of roundoff on
+    /// the global relative error; one wrong block gives O(1)).
+    fn accept_grads(err: &Error) -> bool {
+        err.finite() && err.relative <= 16.0 * unit_roundoff(DType::BF16)
+    }
+
+    /// The fused forward in bf16 on the tensor-core tile, head dims 64 and 128, lengths from 0
+    /// to several thousand, and the gradients through the padded batch, against the f64
+    /// reference of the same bf16 inputs.
+    #[test]
+    fn packed_sequences_match_the_reference_cuda() {
+        let Some(device) = cuda_device("varlen::cuda::packed_sequences_match_the_reference_cuda")
+        else {
+            return;
+        };
+        assert!(has_tensor_cores(&device, DType::BF16));
+        let lengths = [1000, 0, 1, 4100, 129, 2048];
+        let mut failures = Vec::new();
+        for head_dim in [64, 128] {
+            let batch = Batch::same(&lengths, 8, 2, head_dim);
+            failures.extend(run(&device, DType::BF16, &batch, 60, accept));
+            let cross = Batch::new(&[(16, 3000), (700, 300), (0, 5), (1, 1)], 8, 8, head_dim);
+            failures.extend(run(&device, DType::BF16, &cross, 70, accept));
+        }
+        let autodiff = device.autodiff();
+        let batch = Batch::same(&[300, 0, 1, 517], 4, 2, 64);
+        failures.extend(run_grads(&autodiff, DType::BF16, &batch, 80, accept_grads));
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+}
