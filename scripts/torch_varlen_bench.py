@@ -119,7 +119,11 @@ def main():
                                     out = F.scaled_dot_product_attention(q, k, v,
                                                                          is_causal=causal)
                                 if backward:
-                                    out.backward(torch.ones_like(out))
+                                    # A nested output's packed values (its `[total, h, d]`
+                                    # buffer), as burn-flash's rows; the padded one whole.
+                                    loss = (out.transpose(1, 2).values() if out.is_nested
+                                            else out).sum()
+                                    loss.backward()
 
                             ms = timed(call, a.iters)
                             print(f"{prefix},{ms:.4f},{flops / (ms * 1e-3) / 1e12:.1f}",

@@ -1,8 +1,8 @@
 //! `try_flash_attention_varlen`: sequences of different lengths packed along the rows of
 //! `[total, heads, dim]` tensors, against an f64 reference that attends each sequence alone
 //! (its own inputs, its diagonal on its own lengths), on every path the call takes: the fused
-//! forward reading the packed rows in place, the padded batch where a gradient is needed
-//! (gradients checked too), and Burn's unfused attention where no tile runs the head dim. On
+//! forward reading the packed rows in place and its fused backward (gradients checked too), and
+//! the padded batch through Burn's unfused attention where no tile runs the head dim. On
 //! wgpu (f32, the portable tile) and, with feature `cuda`, on the tensor-core tile in bf16.
 //! Outputs are poisoned with NaN before the kernels run.
 
@@ -334,8 +334,9 @@ mod wgpu {
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 
-    /// Gradients where q, k and v require them: the padded batch through the fused backward,
-    /// self-attention and cross lengths.
+    /// Gradients where q, k and v require them: the fused packed backward on self-attention
+    /// and cross lengths, and the padded batch through Burn's unfused attention (head dim
+    /// 300).
     #[test]
     fn packed_gradients_match_the_reference() {
         let device = Device::wgpu(Default::default()).autodiff();
@@ -351,6 +352,13 @@ mod wgpu {
             DType::F32,
             &Batch::new(&CROSS, 2, 1, 32).value_dim(16),
             50,
+            accept,
+        ));
+        failures.extend(run_grads(
+            &device,
+            DType::F32,
+            &Batch::new(&[(9, 40), (33, 33), (2, 0)], 2, 2, 300),
+            55,
             accept,
         ));
         assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -413,7 +421,7 @@ mod cuda {
     }
 
     /// The fused forward in bf16 on the tensor-core tile, head dims 64 and 128, lengths from 0
-    /// to several thousand, and the gradients through the padded batch, against the f64
+    /// to several thousand, and the gradients through the fused packed backward, against the f64
     /// reference of the same bf16 inputs.
     #[test]
     fn packed_sequences_match_the_reference_cuda() {
@@ -431,8 +439,44 @@ mod cuda {
             failures.extend(run(&device, DType::BF16, &cross, 70, accept));
         }
         let autodiff = device.autodiff();
-        let batch = Batch::same(&[300, 0, 1, 517], 4, 2, 64);
-        failures.extend(run_grads(&autodiff, DType::BF16, &batch, 80, accept_grads));
+        for (seed, batch) in [
+            Batch::same(&[300, 0, 1, 517], 4, 2, 64),
+            Batch::same(&[1000, 0, 1, 2100, 129], 4, 4, 128),
+            Batch::new(&[(16, 900), (700, 300), (0, 5), (1, 1)], 4, 2, 128),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let seed = 80 + 10 * seed as u64;
+            failures.extend(run_grads(&autodiff, DType::BF16, batch, seed, accept_grads));
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// Small ragged packings for compute-sanitizer (`scripts/gpu-run.sh sanitize`): the fused
+    /// forward and backward over lengths 0 to a few blocks, self-attention and cross, against
+    /// the same references.
+    #[test]
+    fn sanitizer_shapes_varlen_cuda() {
+        let Some(device) = cuda_device("varlen::cuda::sanitizer_shapes_varlen_cuda") else {
+            return;
+        };
+        let mut failures = Vec::new();
+        let batches = [
+            Batch::same(&[70, 0, 1, 129], 4, 2, 64),
+            Batch::new(&[(5, 200), (130, 60), (0, 3), (2, 0)], 4, 4, 128),
+        ];
+        for (n, batch) in batches.iter().enumerate() {
+            failures.extend(run(&device, DType::BF16, batch, 90 + n as u64, accept));
+            let autodiff = device.clone().autodiff();
+            failures.extend(run_grads(
+                &autodiff,
+                DType::BF16,
+                batch,
+                95 + n as u64,
+                accept_grads,
+            ));
+        }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 }

@@ -185,21 +185,33 @@ pub enum KeyCache<B: Backend> {
     /// its keys `p · page_size ..` in page `block_table[b, p]` (`block_table: [batch, pages
     /// per sequence]`). `page_size` is a multiple of 64.
     Paged(IntTensor<B>, IntTensor<B>),
-    /// Sequences of different lengths packed along the rows: `q: [1, heads, total_q,
-    /// head_dim]`, `k: [1, kv_heads, total_k, head_dim]` and `v` alike (any strides: the views
-    /// of FlashAttention-2's `[total, heads, dim]`), the output `[1, heads, total_q,
-    /// value_dim]` in `[total_q, heads, value_dim]` order. Sequence `b`'s queries are rows
-    /// `starts[0, b]..starts[0, b + 1]`, its keys `starts[1, b]..starts[1, b + 1]` (`starts:
-    /// [2, sequences + 1]`, each row cumulative from 0); `max_query` and `max_key` are the
-    /// longest sequence's lengths.
-    Packed {
-        /// The cumulative query (row 0) and key (row 1) lengths.
-        starts: IntTensor<B>,
-        /// The longest sequence's queries.
-        max_query: usize,
-        /// The longest sequence's keys.
-        max_key: usize,
-    },
+}
+
+/// Where the sequences of a batch packed along the rows lie (FlashAttention-2's `cu_seqlens`):
+/// sequence `b`'s queries are rows `starts[0, b]..starts[0, b + 1]` of `q: [1, heads, total_q,
+/// head_dim]`, its keys rows `starts[1, b]..starts[1, b + 1]` of `k` and `v` (`starts: [2,
+/// sequences + 1]`, each row cumulative from 0); `max_query` and `max_key` are the longest
+/// sequence's lengths. [`PackedSequences`](crate::PackedSequences) builds it.
+///
+/// # Example
+///
+/// ```
+/// use burn::backend::tensor::IntTensor;
+/// use burn_flash::{FlashAttentionBackend, PackedStarts};
+///
+/// fn two<B: FlashAttentionBackend>(starts: IntTensor<B>) -> PackedStarts<B> {
+///     // Sequences of 3 and 5 rows: starts [[0, 3, 8], [0, 3, 8]].
+///     PackedStarts { starts, max_query: 5, max_key: 5 }
+/// }
+/// ```
+#[derive(ExtensionType, Clone, Debug)]
+pub struct PackedStarts<B: Backend> {
+    /// `[2, sequences + 1]`: the cumulative query (row 0) and key (row 1) lengths.
+    pub starts: IntTensor<B>,
+    /// The longest sequence's queries.
+    pub max_query: usize,
+    /// The longest sequence's keys.
+    pub max_key: usize,
 }
 
 /// What the fused forward returns.
@@ -313,6 +325,44 @@ pub trait FlashAttentionBackend: Backend {
         #[extension_type] keys: KeyCache<Self>,
         options: FlashAttentionOptions,
     ) -> FloatTensor<Self>;
+
+    /// Run the fused forward over sequences of different lengths packed along the rows (see
+    /// [`PackedStarts`]): `q: [1, heads, total_q, head_dim]`, `k: [1, kv_heads, total_k,
+    /// head_dim]` and `v` alike (any strides: the views of FlashAttention-2's `[total, heads,
+    /// dim]`), each sequence attending to its own keys, its causal diagonal, window and ALiBi
+    /// distances placed on its own lengths. Returns the output `[1, heads, total_q, value_dim]`
+    /// (its elements in `[total_q, heads, value_dim]` order) and the log-sum-exp `[1, heads,
+    /// total_q]`; rows that see no key are 0 and `-inf`. On an autodiff backend it records one
+    /// node whose backward is
+    /// [`flash_attention_backward_packed`](Self::flash_attention_backward_packed).
+    ///
+    /// Low level, like [`flash_attention_forward`](Self::flash_attention_forward): no mask or
+    /// bias input, and the inputs must be valid and supported;
+    /// [`try_flash_attention_varlen`](crate::try_flash_attention_varlen) checks them.
+    fn flash_attention_forward_packed(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        #[extension_type] sequences: PackedStarts<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionForward<Self>;
+
+    /// Gradients of [`flash_attention_forward_packed`](Self::flash_attention_forward_packed)
+    /// with respect to `q`, `k` and `v`, each sequence's its own, from the forward's output and
+    /// log-sum-exp and the output's gradient; contiguous `[1, heads|kv_heads, total, dim]`.
+    /// Deterministic (dQ by its own launch). Low level, like
+    /// [`flash_attention_backward`](Self::flash_attention_backward).
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward_packed(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        #[extension_type] sequences: PackedStarts<Self>,
+        output: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_output: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionGrads<Self>;
 
     /// Gradients of the fused attention with respect to `q`, `k` and `v` (and the bias when
     /// `bias_grad`), given the forward's `inputs`, `output` and `lse` and the gradient of the

@@ -63,7 +63,7 @@ pub use api::{
 };
 pub use backend::{
     BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads,
-    FlashAttentionProblem, KeyCache, ScoreInputs,
+    FlashAttentionProblem, KeyCache, PackedStarts, ScoreInputs,
 };
 pub use cache::KvCache;
 pub use error::FlashAttentionError;

@@ -13,7 +13,7 @@ use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
 use crate::backend::{
     BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, KeyCache,
-    ScoreInputs,
+    PackedStarts, ScoreInputs,
 };
 use crate::options::FlashAttentionOptions;
 
@@ -71,6 +71,69 @@ impl<B: FlashAttentionBackend, const N: usize> Backward<B, N> for FlashAttention
                 grads.register::<B>(parent.id, grad);
             }
         }
+    }
+}
+
+/// The graph node of one packed attention call over `q`, `k` and `v`.
+#[derive(Debug)]
+struct PackedNode;
+
+/// What the packed backward needs: the inputs, the output, its log-sum-exp, where the
+/// sequences lie and the options.
+#[derive(Debug, Clone)]
+struct SavedPacked<B: FlashAttentionBackend> {
+    tensors: [FloatTensor<B>; 5],
+    sequences: PackedStarts<B>,
+    options: FlashAttentionOptions,
+}
+
+impl<B: FlashAttentionBackend> Backward<B, 3> for PackedNode {
+    type State = SavedPacked<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let SavedPacked {
+            tensors: [q, k, v, output, lse],
+            sequences,
+            options,
+        } = ops.state;
+        let grad_output = grads.consume::<B>(&ops.node);
+        let FlashAttentionGrads {
+            q: dq,
+            k: dk,
+            v: dv,
+            ..
+        } = B::flash_attention_backward_packed(
+            q,
+            k,
+            v,
+            sequences,
+            output,
+            lse,
+            grad_output,
+            options,
+        );
+        for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
+            if let Some(parent) = parent {
+                grads.register::<B>(parent.id, grad);
+            }
+        }
+    }
+}
+
+/// The inner backend's packing (integer tensors carry no graph: the inner backend's are the
+/// same).
+fn inner_starts<B: FlashAttentionBackend, C: CheckpointStrategy>(
+    sequences: PackedStarts<Autodiff<B, C>>,
+) -> PackedStarts<B> {
+    PackedStarts {
+        starts: sequences.starts,
+        max_query: sequences.max_query,
+        max_key: sequences.max_key,
     }
 }
 
@@ -136,15 +199,6 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         let keys = match keys {
             KeyCache::Lengths(lengths) => KeyCache::Lengths(lengths),
             KeyCache::Paged(lengths, table) => KeyCache::Paged(lengths, table),
-            KeyCache::Packed {
-                starts,
-                max_query,
-                max_key,
-            } => KeyCache::Packed {
-                starts,
-                max_query,
-                max_key,
-            },
         };
         let output = B::flash_attention_forward_cached(
             q.into_primitive(),
@@ -154,6 +208,74 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
             options,
         );
         <Self as AutodiffBackend>::from_inner(output)
+    }
+
+    fn flash_attention_forward_packed(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        sequences: PackedStarts<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionForward<Self> {
+        let sequences = inner_starts(sequences);
+        let (q, q_node) = q.into_parts();
+        let (k, k_node) = k.into_parts();
+        let (v, v_node) = v.into_parts();
+        let forward = B::flash_attention_forward_packed(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            sequences.clone(),
+            options,
+        );
+        let lse = <Self as AutodiffBackend>::from_inner(forward.lse.clone());
+        let output = match PackedNode
+            .prepare::<C>([q_node, k_node, v_node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                SavedPacked {
+                    tensors: [q, k, v, forward.output.clone(), forward.lse],
+                    sequences,
+                    options,
+                },
+                forward.output,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(forward.output),
+        };
+        FlashAttentionForward { output, lse }
+    }
+
+    /// The gradients of the inner backend, as untracked tensors (no second-order graph).
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward_packed(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        sequences: PackedStarts<Self>,
+        output: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_output: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionGrads<Self> {
+        let grads = B::flash_attention_backward_packed(
+            q.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            inner_starts(sequences),
+            output.into_primitive(),
+            lse.into_primitive(),
+            grad_output.into_primitive(),
+            options,
+        );
+        let untracked = <Self as AutodiffBackend>::from_inner;
+        FlashAttentionGrads {
+            q: untracked(grads.q),
+            k: untracked(grads.k),
+            v: untracked(grads.v),
+            bias: BiasGrad::Absent,
+        }
     }
 
     /// The gradients of the inner backend, as untracked tensors (no second-order graph).

@@ -13,7 +13,7 @@ use burn_cubecl::{CubeBackend, CubeDevice};
 
 use crate::backend::{
     BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, KeyCache,
-    ScoreInputs,
+    PackedStarts, ScoreInputs,
 };
 use crate::kernel::{self, KernelTensor};
 use crate::options::FlashAttentionOptions;
@@ -47,6 +47,37 @@ fn kernel_inputs(inputs: ScoreInputs<CubeBackend>) -> kernel::ScoreInputs {
         _ => mask,
     });
     kernel::ScoreInputs::new(mask.map(to_kernel), bias.map(to_kernel))
+}
+
+/// An integer tensor as the kernels read it: u32.
+fn unsigned(t: IntTensor<CubeBackend>) -> CubeTensor {
+    match t.dtype {
+        DType::U32 => t,
+        _ => cast(t, DType::U32),
+    }
+}
+
+/// The kernels' view of packed sequences, and the score parameters over the longest one
+/// (its diagonal placed per sequence, so top-left stays top-left whatever the lengths).
+fn packed_rows(
+    sequences: PackedStarts<CubeBackend>,
+    q: &CubeTensor,
+    options: &FlashAttentionOptions,
+) -> (kernel::PackedRows, kernel::ScoreParams) {
+    let PackedStarts {
+        starts,
+        max_query,
+        max_key,
+    } = sequences;
+    let shape = q.shape();
+    let params = kernel::ScoreParams::new(options, shape[1], shape[3], max_query, max_key)
+        .with_key_lengths(options);
+    let packed = kernel::PackedRows {
+        starts: to_kernel(unsigned(starts)),
+        max_query,
+        max_key,
+    };
+    (packed, params)
 }
 
 /// The kernels' view of `options` for these queries and keys.
@@ -91,10 +122,6 @@ impl FlashAttentionBackend for CubeBackend {
         options: FlashAttentionOptions,
     ) -> FloatTensor<Self> {
         // The kernel reads u32 lengths (those past the keys count as all of them) and tables.
-        let unsigned = |t: IntTensor<Self>| match t.dtype {
-            DType::U32 => t,
-            _ => cast(t, DType::U32),
-        };
         // Pages `[pages, page_size, kv_heads, dim]` are read as `[pages, kv_heads, page_size,
         // dim]`, in place.
         let (k, v, cached, seq_k) = match keys {
@@ -109,30 +136,6 @@ impl FlashAttentionBackend for CubeBackend {
                     Self::float_swap_dims(v, 1, 2),
                 );
                 (k, v, (lengths, Some(table)), seq_k)
-            }
-            KeyCache::Packed {
-                starts,
-                max_query,
-                max_key,
-            } => {
-                let shape = q.shape();
-                let params =
-                    kernel::ScoreParams::new(&options, shape[1], shape[3], max_query, max_key)
-                        .with_key_lengths(&options);
-                let device = q.device.clone();
-                let packed = kernel::PackedRows {
-                    starts: to_kernel(unsigned(starts)),
-                    max_query,
-                    max_key,
-                };
-                let (output, _) = kernel::forward_packed(
-                    to_kernel(q),
-                    to_kernel(k),
-                    to_kernel(v),
-                    packed,
-                    params,
-                );
-                return from_kernel(output, &device);
             }
         };
         let shape = q.shape();
@@ -152,6 +155,53 @@ impl FlashAttentionBackend for CubeBackend {
             params,
         );
         from_kernel(output, &device)
+    }
+
+    fn flash_attention_forward_packed(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        sequences: PackedStarts<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionForward<Self> {
+        let (packed, params) = packed_rows(sequences, &q, &options);
+        let device = q.device.clone();
+        let (output, lse) =
+            kernel::forward_packed(to_kernel(q), to_kernel(k), to_kernel(v), packed, params);
+        FlashAttentionForward {
+            output: from_kernel(output, &device),
+            lse: from_kernel(lse, &device),
+        }
+    }
+
+    fn flash_attention_backward_packed(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        sequences: PackedStarts<Self>,
+        output: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_output: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionGrads<Self> {
+        let (packed, params) = packed_rows(sequences, &q, &options);
+        let device = q.device.clone();
+        let grads = kernel::backward_packed(
+            to_kernel(q),
+            to_kernel(k),
+            to_kernel(v),
+            to_kernel(output),
+            to_kernel(lse),
+            to_kernel(grad_output),
+            packed,
+            params,
+        );
+        FlashAttentionGrads {
+            q: from_kernel(grads.q, &device),
+            k: from_kernel(grads.k, &device),
+            v: from_kernel(grads.v, &device),
+            bias: BiasGrad::Absent,
+        }
     }
 
     fn flash_attention_backward(

@@ -14,7 +14,7 @@ use burn_fusion::{ExecutionError, Fusion, FusionBackend, FusionRuntime};
 
 use crate::backend::{
     BiasGrad, FlashAttentionBackend, FlashAttentionForward, FlashAttentionGrads, KeyCache,
-    ScoreInputs,
+    PackedStarts, ScoreInputs,
 };
 use crate::options::FlashAttentionOptions;
 
@@ -22,6 +22,8 @@ use crate::options::FlashAttentionOptions;
 const FORWARD_OP: &str = "burn_flash::flash_attention_forward";
 const BACKWARD_OP: &str = "burn_flash::flash_attention_backward";
 const CACHED_OP: &str = "burn_flash::flash_attention_forward_cached";
+const PACKED_OP: &str = "burn_flash::flash_attention_forward_packed";
+const PACKED_BACKWARD_OP: &str = "burn_flash::flash_attention_backward_packed";
 
 /// Which per-score inputs follow `q`, `k`, `v` (and, in the backward, the output, the
 /// log-sum-exp and its gradient) in a custom operation's inputs: the mask, then the bias.
@@ -93,14 +95,12 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for F
     }
 }
 
-/// The lazy forward over a cache: inputs `[q, k, v, lengths, block_table?]` or, packed,
-/// `[q, k, v, starts]`, output `[output]`.
+/// The lazy forward over a cache: inputs `[q, k, v, lengths, block_table?]`, output
+/// `[output]`.
 #[derive(Debug)]
 struct CachedOp<B> {
     desc: CustomOpIr,
     options: FlashAttentionOptions,
-    /// The longest packed sequence's queries and keys, where the sequences are packed.
-    packed: Option<(usize, usize)>,
     _backend: PhantomData<B>,
 }
 
@@ -110,15 +110,10 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for C
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) -> Result<(), ExecutionError> {
         let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
-        let first = handles.get_int_tensor::<B>(&inputs[3]);
-        let keys = match (self.packed, inputs.get(4)) {
-            (Some((max_query, max_key)), _) => KeyCache::Packed {
-                starts: first,
-                max_query,
-                max_key,
-            },
-            (None, Some(table)) => KeyCache::Paged(first, handles.get_int_tensor::<B>(table)),
-            (None, None) => KeyCache::Lengths(first),
+        let lengths = handles.get_int_tensor::<B>(&inputs[3]);
+        let keys = match inputs.get(4) {
+            Some(table) => KeyCache::Paged(lengths, handles.get_int_tensor::<B>(table)),
+            None => KeyCache::Lengths(lengths),
         };
         let output = B::flash_attention_forward_cached(
             handles.get_float_tensor::<B>(&inputs[0]),
@@ -128,6 +123,75 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for C
             self.options,
         );
         handles.register_float_tensor::<B>(&outputs[0].id, output);
+        Ok(())
+    }
+}
+
+/// The lazy forward over packed sequences: inputs `[q, k, v, starts]`, outputs `[output,
+/// lse]`.
+#[derive(Debug)]
+struct PackedOp<B> {
+    desc: CustomOpIr,
+    /// The longest sequence's queries and keys.
+    longest: (usize, usize),
+    options: FlashAttentionOptions,
+    _backend: PhantomData<B>,
+}
+
+/// The starts of a packed op whose inputs hold them at `at`.
+fn packed_starts<B: FusionBackend>(
+    inputs: &[TensorIr],
+    at: usize,
+    (max_query, max_key): (usize, usize),
+    handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+) -> PackedStarts<B> {
+    PackedStarts {
+        starts: handles.get_int_tensor::<B>(&inputs[at]),
+        max_query,
+        max_key,
+    }
+}
+
+impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for PackedOp<B> {
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+    ) -> Result<(), ExecutionError> {
+        let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
+        let sequences = packed_starts::<B>(inputs, 3, self.longest, handles);
+        let mut tensor = |at: usize| handles.get_float_tensor::<B>(&inputs[at]);
+        let [q, k, v] = [0, 1, 2].map(&mut tensor);
+        let forward = B::flash_attention_forward_packed(q, k, v, sequences, self.options);
+        handles.register_float_tensor::<B>(&outputs[0].id, forward.output);
+        handles.register_float_tensor::<B>(&outputs[1].id, forward.lse);
+        Ok(())
+    }
+}
+
+/// The lazy backward over packed sequences: inputs `[q, k, v, output, lse, grad_output,
+/// starts]`, outputs `[dq, dk, dv]`.
+#[derive(Debug)]
+struct PackedBackwardOp<B> {
+    desc: CustomOpIr,
+    longest: (usize, usize),
+    options: FlashAttentionOptions,
+    _backend: PhantomData<B>,
+}
+
+impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for PackedBackwardOp<B> {
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+    ) -> Result<(), ExecutionError> {
+        let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
+        let sequences = packed_starts::<B>(inputs, 6, self.longest, handles);
+        let mut tensor = |at: usize| handles.get_float_tensor::<B>(&inputs[at]);
+        let [q, k, v, output, lse, grad] = [0, 1, 2, 3, 4, 5].map(&mut tensor);
+        let grads =
+            B::flash_attention_backward_packed(q, k, v, sequences, output, lse, grad, self.options);
+        handles.register_float_tensor::<B>(&outputs[0].id, grads.q);
+        handles.register_float_tensor::<B>(&outputs[1].id, grads.k);
+        handles.register_float_tensor::<B>(&outputs[2].id, grads.v);
         Ok(())
     }
 }
@@ -229,24 +293,14 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
             q.dtype,
         );
         let mut irs = vec![q.into_ir(), k.into_ir(), v.into_ir()];
-        let mut packed = None;
         match keys {
             KeyCache::Lengths(lengths) => irs.push(lengths.into_ir()),
             KeyCache::Paged(lengths, table) => irs.extend([lengths.into_ir(), table.into_ir()]),
-            KeyCache::Packed {
-                starts,
-                max_query,
-                max_key,
-            } => {
-                irs.push(starts.into_ir());
-                packed = Some((max_query, max_key));
-            }
         }
         let desc = CustomOpIr::new(CACHED_OP, &irs, &[output]);
         let op = CachedOp::<B> {
             desc: desc.clone(),
             options,
-            packed,
             _backend: PhantomData,
         };
         let mut outputs = client
@@ -256,6 +310,96 @@ impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<
             unreachable!("the forward over a cache registers one output");
         };
         output
+    }
+
+    fn flash_attention_forward_packed(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        sequences: PackedStarts<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionForward<Self> {
+        let client = q.client.clone();
+        let [_, heads, total_q, _] = q.shape().dims::<4>();
+        let output = TensorIr::uninit(
+            client.create_empty_handle(),
+            Shape::new([1, heads, total_q, v.shape()[3]]),
+            q.dtype,
+        );
+        let lse = TensorIr::uninit(
+            client.create_empty_handle(),
+            Shape::new([1, heads, total_q]),
+            DType::F32,
+        );
+        let irs = [
+            q.into_ir(),
+            k.into_ir(),
+            v.into_ir(),
+            sequences.starts.into_ir(),
+        ];
+        let desc = CustomOpIr::new(PACKED_OP, &irs, &[output, lse]);
+        let op = PackedOp::<B> {
+            desc: desc.clone(),
+            longest: (sequences.max_query, sequences.max_key),
+            options,
+            _backend: PhantomData,
+        };
+        let mut outputs = client
+            .register(StreamId::current(), OperationIr::Custom(desc), op)
+            .into_iter();
+        let (Some(output), Some(lse), None) = (outputs.next(), outputs.next(), outputs.next())
+        else {
+            unreachable!("the packed forward registers two outputs");
+        };
+        FlashAttentionForward { output, lse }
+    }
+
+    fn flash_attention_backward_packed(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        sequences: PackedStarts<Self>,
+        output: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_output: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+    ) -> FlashAttentionGrads<Self> {
+        let client = q.client.clone();
+        // Contiguous gradients of the inputs' shapes.
+        let like = |t: &FloatTensor<Self>| {
+            TensorIr::uninit(client.create_empty_handle(), t.shape(), t.dtype)
+        };
+        let outputs = [like(&q), like(&k), like(&v)];
+        let irs = [
+            q.into_ir(),
+            k.into_ir(),
+            v.into_ir(),
+            output.into_ir(),
+            lse.into_ir(),
+            grad_output.into_ir(),
+            sequences.starts.into_ir(),
+        ];
+        let desc = CustomOpIr::new(PACKED_BACKWARD_OP, &irs, &outputs);
+        let op = PackedBackwardOp::<B> {
+            desc: desc.clone(),
+            longest: (sequences.max_query, sequences.max_key),
+            options,
+            _backend: PhantomData,
+        };
+        let mut grads = client
+            .register(StreamId::current(), OperationIr::Custom(desc), op)
+            .into_iter();
+        let (Some(q), Some(k), Some(v), None) =
+            (grads.next(), grads.next(), grads.next(), grads.next())
+        else {
+            unreachable!("the packed backward registers dq, dk and dv");
+        };
+        FlashAttentionGrads {
+            q,
+            k,
+            v,
+            bias: BiasGrad::Absent,
+        }
     }
 
     fn flash_attention_backward(

@@ -31,7 +31,7 @@ mod tuning;
 #[cfg(test)]
 mod tests;
 
-pub use backward::{Grads, backward, backward_support};
+pub use backward::{Grads, backward, backward_packed, backward_support};
 pub use config::{ScoreParams, TilePath};
 pub use device::tensor_core_dim;
 pub use forward::{forward, forward_packed, support};

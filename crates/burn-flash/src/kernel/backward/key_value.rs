@@ -43,6 +43,7 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     d_v: &mut Tensor<E>,
     mut d_q_accum: ComptimeOption<&mut Tensor<Atomic<Vector<f32, N>>>>,
     partials: ComptimeOption<&mut Tensor<f32>>,
+    starts: ComptimeOption<&Tensor<u32>>,
     dims: WalkDims,
     tail: TailSplit,
     scale: f32,
@@ -61,20 +62,27 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             terminate!();
         }
     }
-    let (owned_block, batch, kv_head) = if comptime!(cfg.tail == TailPart::Pieces) {
+    let (owned_block, sequence, kv_head) = if comptime!(cfg.tail == TailPart::Pieces) {
         tail.piece_owner(cfg)
     } else {
         let (batch, kv_head) = batch_and_head(cfg);
         (CUBE_POS_X as usize, batch, kv_head)
     };
+    // With packed sequences the grid's batch is the sequence, the tensors' batch is 0, and
+    // every row is counted from the sequence's first (`q_row`, `k_row` in the tensors).
+    let batch = if comptime!(cfg.varlen.0) {
+        usize::new(0)
+    } else {
+        sequence
+    };
+    let (band, q_row, k_row) = dims.band(band_left, band_right).of_packed(starts, sequence);
     let group = dims.heads / dims.kv_heads;
-    let band = dims.band(band_left, band_right);
     let owned_start = owned_block * cfg.block_q;
     let key_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
     let value_cfg = comptime!(cfg.with_widths(cfg.value_dim, cfg.value_dim));
 
-    let k_head = batch * k.stride(0) + kv_head * k.stride(1);
-    let v_head = batch * v.stride(0) + kv_head * v.stride(1);
+    let k_head = batch * k.stride(0) + kv_head * k.stride(1) + k_row * k.stride(2);
+    let v_head = batch * v.stride(0) + kv_head * v.stride(1) + k_row * v.stride(2);
     let (mut keys, mut values) = T::load_query_pair(
         k,
         k_head,
@@ -100,22 +108,32 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     // head of the group.
     let owned_end = min(owned_start + cfg.block_q, band.seq_k);
     let (first_query, end_query) = query_range(band, owned_start, owned_end, cfg.mask);
+    // A packed sequence shorter than the longest has key blocks past its end: they walk nothing.
+    let (first_query, end_query) = if comptime!(cfg.varlen.0) {
+        let empty = owned_start >= band.seq_k;
+        (
+            select(empty, 0usize, first_query),
+            select(empty, 0usize, end_query),
+        )
+    } else {
+        (first_query, end_query)
+    };
     let first_head = kv_head * group;
     let sweep = Sweep {
-        first_base: dims.first_strides.at(batch, first_head),
+        first_base: dims.first_strides.at(batch, first_head) + q_row * dims.first_strides.row,
         first_step: dims.first_strides.head,
         first_row_stride: dims.first_strides.row,
-        second_base: dims.second_strides.at(batch, first_head),
+        second_base: dims.second_strides.at(batch, first_head) + q_row * dims.second_strides.row,
         second_step: dims.second_strides.head,
         second_row_stride: dims.second_strides.row,
-        stat_base: dims.stat_strides.at(batch, first_head),
+        stat_base: dims.stat_strides.at(batch, first_head) + q_row * dims.stat_strides.row,
         stat_step: dims.stat_strides.head,
         accum_base: (batch * dims.heads + first_head) * band.seq_q * cfg.head_dim,
         accum_step: band.seq_q * cfg.head_dim,
         members: group,
         first_block: first_query / cfg.block_kv,
         end_block: end_query.div_ceil(cfg.block_kv),
-        batch,
+        batch: sequence,
         first_head,
     };
     let span = Span {
@@ -177,6 +195,7 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
             d_v,
             batch,
             kv_head,
+            k_row,
             owned_start,
             band.seq_k,
             scale,
@@ -185,8 +204,8 @@ pub fn key_value_grads<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
     }
 }
 
-/// Write a whole walk's `scale · dK` and dV to rows `owned_start..` of the (`batch`, `kv_head`)
-/// head. The owned keys and values are done with: their shared memory stages dK and dV.
+/// Write a whole walk's `scale · dK` and dV to rows `k_row + owned_start..` of the (`batch`,
+/// `kv_head`) head. The owned keys and values are done with: their shared memory stages dK and dV.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn store_whole<E: Float, T: AttentionTile<E>>(
@@ -198,13 +217,14 @@ fn store_whole<E: Float, T: AttentionTile<E>>(
     d_v: &mut Tensor<E>,
     batch: usize,
     kv_head: usize,
+    k_row: usize,
     owned_start: usize,
     seq_k: usize,
     scale: f32,
     #[comptime] cfg: TileConfig,
 ) {
     let key_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
-    let dk_head = batch * d_k.stride(0) + kv_head * d_k.stride(1);
+    let dk_head = batch * d_k.stride(0) + kv_head * d_k.stride(1) + k_row * d_k.stride(2);
     T::store_owned(
         keys,
         grad_k,
@@ -215,6 +235,6 @@ fn store_whole<E: Float, T: AttentionTile<E>>(
         seq_k,
         key_cfg,
     );
-    let dv_head = batch * d_v.stride(0) + kv_head * d_v.stride(1);
+    let dv_head = batch * d_v.stride(0) + kv_head * d_v.stride(1) + k_row * d_v.stride(2);
     T::store_owned(values, grad_v, 1.0, d_v, dv_head, owned_start, seq_k, cfg);
 }

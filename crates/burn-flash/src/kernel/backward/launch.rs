@@ -18,8 +18,8 @@ use crate::kernel::config::{ScoreParams, TailPart, TileConfig, TilePath};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::{cube_count, cube_dim};
 use crate::kernel::tensors::{
-    F32, KernelTensor, ScoreInputs, address_type, fill_tensor, output, stage_map, tma_aligned,
-    vector_width,
+    F32, KernelTensor, PackedRows, ScoreInputs, address_type, fill_tensor, output, stage_map,
+    tma_aligned, vector_width,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 
@@ -143,12 +143,90 @@ pub fn backward(
     deterministic: bool,
     bias_grad: bool,
 ) -> Grads {
+    let options = Options {
+        deterministic,
+        bias_grad,
+        packed: None,
+    };
+    launch(q, k, v, inputs, out, lse, d_out, params, options)
+}
+
+/// Gradients of [`forward_packed`](crate::kernel::forward_packed): sequences of different
+/// lengths packed along the rows of `[1, h, total, d]` tensors (any strides), as `packed` lays
+/// them out, from the forward's output `out` (`[1, h, total_q, dv]`) and log-sum-exp `lse`
+/// (`[1, h, total_q]`) and the output gradient `d_out`. Each sequence's gradients are its own;
+/// dQ takes its own launch (deterministic). Returns contiguous `[1, h|hkv, total, d]`
+/// gradients.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_packed(
+    q: KernelTensor,
+    k: KernelTensor,
+    v: KernelTensor,
+    out: KernelTensor,
+    lse: KernelTensor,
+    d_out: KernelTensor,
+    packed: PackedRows,
+    params: ScoreParams,
+) -> Grads {
+    let packed = PackedRows {
+        starts: packed.starts.into_contiguous(),
+        ..packed
+    };
+    let options = Options {
+        deterministic: true,
+        bias_grad: false,
+        packed: Some(packed),
+    };
+    launch(
+        q,
+        k,
+        v,
+        ScoreInputs::new(None, None),
+        out,
+        lse,
+        d_out,
+        params,
+        options,
+    )
+}
+
+/// How a backward runs beside its tensors.
+struct Options {
+    deterministic: bool,
+    bias_grad: bool,
+    /// Sequences packed along the rows, and where.
+    packed: Option<PackedRows>,
+}
+
+/// Plan, allocate and enqueue one backward.
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    q: KernelTensor,
+    k: KernelTensor,
+    v: KernelTensor,
+    inputs: ScoreInputs,
+    out: KernelTensor,
+    lse: KernelTensor,
+    d_out: KernelTensor,
+    params: ScoreParams,
+    options: Options,
+) -> Grads {
+    let Options {
+        deterministic,
+        bias_grad,
+        packed,
+    } = options;
     let [q, k, v, out, lse, d_out] = [q, k, v, out, lse, d_out].map(KernelTensor::into_contiguous);
     let params = params.with_inputs(inputs.mask_dims(), inputs.bias.is_some());
     let bias_grad = bias_grad && inputs.bias.is_some();
     let dims = q.meta.shape().clone();
     let (batch, heads, seq_q, head_dim) = (dims[0], dims[1], dims[2], dims[3]);
     let (kv_heads, seq_k, value_dim) = (k.meta.shape()[1], k.meta.shape()[2], v.meta.shape()[3]);
+    // The launches' grid: one batch entry per packed sequence, the longest one's row blocks.
+    let (grid_batch, grid_q, grid_k) = match &packed {
+        Some(p) => (p.starts.meta.shape()[1] - 1, p.max_query, p.max_key),
+        None => (batch, seq_q, seq_k),
+    };
     let client = q.client.clone();
     let dtype = q.dtype;
 
@@ -175,11 +253,11 @@ pub fn backward(
     }
     let problem = BackwardProblem {
         dtype,
-        batch,
+        batch: grid_batch,
         heads,
         kv_heads,
-        seq_q,
-        seq_k,
+        seq_q: grid_q,
+        seq_k: grid_k,
         head_dim,
         value_dim,
         params,
@@ -187,6 +265,7 @@ pub fn backward(
         deterministic,
         bias_grad,
         staged_tma_aligned: tma_aligned(&q) && tma_aligned(&d_out),
+        varlen: packed.is_some(),
     };
     let plan = BackwardPlan::new(&DeviceCaps::of(&client, dtype), &problem)
         .unwrap_or_else(|reason| panic!("fused backward launched on unsupported input: {reason}"));
@@ -206,11 +285,21 @@ pub fn backward(
     if tail.is_some() {
         crate::testing::record_tail_split();
     }
-    let key_blocks = seq_k.div_ceil(cfg.block_q);
+    let key_blocks = grid_k.div_ceil(cfg.block_q);
     // The split cubes' partial dK/dV sums (see `tail`).
     let partials = tail.map(|plan| output(&q, partials_shape(&cfg, plan), F32));
-    let key_value_parts = key_value_parts(&cfg, tail, seq_k, kv_heads, batch);
-    let grid_rows = if cfg.batch_inner { batch } else { kv_heads };
+    let key_value_parts = key_value_parts(&cfg, tail, grid_k, kv_heads, grid_batch);
+    let grid_rows = if cfg.batch_inner {
+        grid_batch
+    } else {
+        kv_heads
+    };
+    let starts = || {
+        packed
+            .as_ref()
+            .map(|p| p.starts.clone().into_tensor_arg())
+            .into()
+    };
     let pieces = tail.map_or(1, |plan| plan.pieces);
     // The atomic dQ's f32 accumulator, contiguous and zeroed (see `key_value`).
     let accum = cfg.atomic_dq.then(|| {
@@ -293,6 +382,7 @@ pub fn backward(
                             Some(partials) => ComptimeOptionArgs::Some(partials.into_tensor_arg()),
                             None => ComptimeOptionArgs::None,
                         },
+                        starts(),
                         walk_dims(&q.meta, &k.meta, &q.meta, &d_out.meta, &lse.meta),
                         tail_split(tail, key_blocks, grid_rows),
                         params.scale,
@@ -343,7 +433,7 @@ pub fn backward(
                 } else if seq_q > 0 {
                     query_grads::launch_unchecked::<$tile>(
                         &client,
-                        cube_count(&query_cfg, seq_q, heads, batch, 1),
+                        cube_count(&query_cfg, grid_q, heads, grid_batch, 1),
                         cube_dim(&query_cfg),
                         address,
                         q.into_tensor_arg(),
@@ -356,6 +446,7 @@ pub fn backward(
                         delta.into_tensor_arg(),
                         d_q.clone().into_tensor_arg(),
                         d_bias.clone().map(KernelTensor::into_tensor_arg).into(),
+                        starts(),
                         query_dims,
                         params.scale,
                         params.left,

@@ -26,4 +26,4 @@ pub(super) mod sources;
 mod tail;
 mod walk;
 
-pub use launch::{Grads, backward, backward_support};
+pub use launch::{Grads, backward, backward_packed, backward_support};

@@ -37,6 +37,9 @@ pub struct BackwardProblem {
     pub bias_grad: bool,
     /// Q and dO can be read through tensor maps ([`tma_aligned`](crate::kernel::tensors::tma_aligned)).
     pub staged_tma_aligned: bool,
+    /// Sequences are packed along the rows ([`TileConfig::varlen`]): `batch` counts them,
+    /// `seq_q` and `seq_k` are the longest one's.
+    pub varlen: bool,
 }
 
 /// How dQ is summed.
@@ -54,6 +57,8 @@ pub enum DqMode {
 pub enum DqLaunchReason {
     /// The caller asked for a deterministic backward (the default).
     Deterministic,
+    /// The sequences are packed: the atomic accumulator's rows are not placed per sequence.
+    Packed,
     /// The dQ launch also writes the bias gradient.
     BiasGrad,
     /// There are no queries.
@@ -123,7 +128,9 @@ impl BackwardPlan {
                 .find(|atomic| atomic_dq_usable(caps, atomic, p.dtype.size()))
                 .ok_or(DqLaunchReason::Unsupported)
         };
-        let atomic = if p.deterministic {
+        let atomic = if p.varlen {
+            Err(DqLaunchReason::Packed)
+        } else if p.deterministic {
             Err(DqLaunchReason::Deterministic)
         } else if p.bias_grad {
             Err(DqLaunchReason::BiasGrad)
@@ -137,14 +144,26 @@ impl BackwardPlan {
             Err(reason) => (blocks(false), DqMode::Launch(reason)),
         };
         let backward_bytes = |cfg: &TileConfig| cfg.backward_shared_bytes(p.dtype.size());
-        let cfg = if tma_staging(caps, &cfg, p.staged_tma_aligned, backward_bytes) {
+        // Packed sequences stage Q and dO by 16-byte copies, which zero the rows past a
+        // sequence's end (a tensor map's box would read the next sequence's), and take no split
+        // tail (its pieces are not placed per sequence).
+        let cfg = if !p.varlen && tma_staging(caps, &cfg, p.staged_tma_aligned, backward_bytes) {
             cfg.with_tma()
         } else {
             cfg
         };
         let key_blocks = p.seq_k.div_ceil(cfg.block_q);
         let query_steps = p.heads / p.kv_heads.max(1) * p.seq_q.div_ceil(cfg.block_kv);
-        let tail = tail_plan(caps, &cfg, p.batch * p.kv_heads * key_blocks, query_steps);
+        let tail = if p.varlen {
+            None
+        } else {
+            tail_plan(caps, &cfg, p.batch * p.kv_heads * key_blocks, query_steps)
+        };
+        let (cfg, query) = if p.varlen {
+            (cfg.with_varlen(), query.with_varlen())
+        } else {
+            (cfg, query)
+        };
         Ok(Self {
             key_value: cfg,
             query,
@@ -418,6 +437,7 @@ mod tests {
             deterministic,
             bias_grad: false,
             staged_tma_aligned: true,
+            varlen: false,
         }
     }
 

@@ -31,6 +31,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     delta: &Tensor<f32>,
     d_q: &mut Tensor<E>,
     mut d_bias: ComptimeOption<&mut Tensor<E>>,
+    starts: ComptimeOption<&Tensor<u32>>,
     dims: WalkDims,
     scale: f32,
     band_left: u32,
@@ -43,11 +44,19 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     #[comptime] cfg: TileConfig,
     #[define(E, M)] _dtypes: [ElemType; 2],
 ) {
-    let (batch, head) = batch_and_head(cfg);
+    // With packed sequences the grid's batch is the sequence, the tensors' batch is 0, and
+    // every row is counted from the sequence's first (`q_row`, `k_row` in the tensors).
+    let (sequence, head) = batch_and_head(cfg);
+    let batch = if comptime!(cfg.varlen.0) {
+        usize::new(0)
+    } else {
+        sequence
+    };
+    let (band, q_row, k_row) = dims.band(band_left, band_right).of_packed(starts, sequence);
     let kv_head = head / (dims.heads / dims.kv_heads);
     let span = Span {
         owned_start: row_block(cfg) * cfg.block_q,
-        band: dims.band(band_left, band_right),
+        band,
         softcap: Softcap::new(scale, softcap),
         inv_scale: 1.0 / scale,
         dropout: Dropout::new(
@@ -62,8 +71,8 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     let query_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
     let grad_cfg = comptime!(cfg.with_widths(cfg.value_dim, cfg.value_dim));
 
-    let q_head = batch * q.stride(0) + head * q.stride(1);
-    let g_head = batch * d_out.stride(0) + head * d_out.stride(1);
+    let q_head = batch * q.stride(0) + head * q.stride(1) + q_row * q.stride(2);
+    let g_head = batch * d_out.stride(0) + head * d_out.stride(1) + q_row * d_out.stride(2);
     let (mut queries, grads) = T::load_query_pair(
         q,
         q_head,
@@ -84,21 +93,27 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     let mut no_accum = ComptimeOption::<&mut Tensor<Atomic<Vector<f32, Const<1>>>>>::new_None();
 
     let (first_block, end_block) = kv_blocks(span.band, span.owned_start, cfg);
+    // A packed sequence shorter than the longest has row blocks past its end: they walk nothing.
+    let end_block = if comptime!(cfg.varlen.0) {
+        select(span.owned_start < span.band.seq_q, end_block, first_block)
+    } else {
+        end_block
+    };
     let sweep = Sweep {
-        first_base: dims.first_strides.at(batch, kv_head),
+        first_base: dims.first_strides.at(batch, kv_head) + k_row * dims.first_strides.row,
         first_step: 0,
         first_row_stride: dims.first_strides.row,
-        second_base: dims.second_strides.at(batch, kv_head),
+        second_base: dims.second_strides.at(batch, kv_head) + k_row * dims.second_strides.row,
         second_step: 0,
         second_row_stride: dims.second_strides.row,
-        stat_base: dims.stat_strides.at(batch, head),
+        stat_base: dims.stat_strides.at(batch, head) + q_row * dims.stat_strides.row,
         stat_step: 0,
         accum_base: 0,
         accum_step: 0,
         members: 1,
         first_block,
         end_block,
-        batch,
+        batch: sequence,
         first_head: head,
     };
     // K and V of this launch are staged by plain asynchronous copies (`cfg.tma` is the dK/dV
@@ -130,7 +145,7 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
     );
 
     // The owned queries are done with: their shared memory stages dQ.
-    let dq_head = batch * d_q.stride(0) + head * d_q.stride(1);
+    let dq_head = batch * d_q.stride(0) + head * d_q.stride(1) + q_row * d_q.stride(2);
     T::store_owned(
         &mut queries,
         &grad_q,

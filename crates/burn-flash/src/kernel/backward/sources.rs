@@ -50,6 +50,7 @@ pub fn backward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>
             deterministic: problem.options.deterministic,
             bias_grad: false,
             staged_tma_aligned: q.tma_aligned() && d_out.tma_aligned(),
+            varlen: false,
         },
     )?;
     let BackwardPlan {
@@ -103,6 +104,7 @@ pub fn backward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>
                         d_v.arg(),
                         accum.as_ref().map(Placeholder::arg).into(),
                         part_partials.map(Placeholder::arg).into(),
+                        ComptimeOptionArgs::None,
                         walk_dims(&q.meta, &k.meta, &q.meta, &d_out.meta, &lse.meta),
                         tail_split(tail, key_blocks, grid_rows),
                         params.scale,
@@ -141,6 +143,7 @@ pub fn backward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>
                         lse.arg(),
                         delta.arg(),
                         d_q.arg(),
+                        ComptimeOptionArgs::None,
                         ComptimeOptionArgs::None,
                         walk_dims(&q.meta, &k.meta, &k.meta, &v.meta, &lse.meta),
                         params.scale,

@@ -1,11 +1,10 @@
 //! The forward on the portable tile against the f64 reference.
 
+use super::PackedBatch;
 use super::{Case, Inputs, assert_close, client};
 use crate::kernel::forward::launch::packed_group;
 use crate::kernel::tensors::F32;
-use crate::kernel::{
-    KernelTensor, PackedRows, ScoreInputs, ScoreParams, TilePath, forward, forward_packed, support,
-};
+use crate::kernel::{ScoreInputs, ScoreParams, TilePath, forward, forward_packed, support};
 use crate::{AttentionWindow, CausalAlignment, FlashAttentionOptions};
 
 /// The kernel parameters of `case`'s options.
@@ -363,83 +362,28 @@ fn packed_sequences_match_the_reference() {
     ];
     let client = client();
     for (n, (lengths, shape)) in cases.iter().enumerate() {
-        let (h, hkv, d, dv) = (shape.heads, shape.kv_heads, shape.head_dim, shape.value_dim);
-        let sequences: Vec<(Case, Inputs)> = lengths
-            .iter()
-            .enumerate()
-            .map(|(s, &(lq, lk))| {
-                let case = Case {
-                    seq_q: lq,
-                    seq_k: lk,
-                    ..shape.clone()
-                };
-                let inputs = Inputs::draw(&case, 900 + 10 * n as u64 + s as u64);
-                (case, inputs)
-            })
-            .collect();
-        let total_q: usize = lengths.iter().map(|l| l.0).sum();
-        let total_k: usize = lengths.iter().map(|l| l.1).sum();
-        // `[b, heads, rows, dim]` of each sequence into `[total, heads, dim]`.
-        let pack = |part: fn(&Inputs) -> &Vec<f32>, rows: fn(&Case) -> usize, heads, dim| {
-            let mut packed = Vec::new();
-            for (case, inputs) in &sequences {
-                for row in 0..rows(case) {
-                    for head in 0..heads {
-                        let at = (head * rows(case) + row) * dim;
-                        packed.extend_from_slice(&part(inputs)[at..at + dim]);
-                    }
-                }
-            }
-            packed
-        };
-        let upload = |values: Vec<f32>, rows, heads, dim| {
-            KernelTensor::from_f32(&client, &values, [1, rows, heads, dim]).swapped(1, 2)
-        };
-        let q = upload(pack(|i| &i.q, |c| c.seq_q, h, d), total_q, h, d);
-        let k = upload(pack(|i| &i.k, |c| c.seq_k, hkv, d), total_k, hkv, d);
-        let v = upload(pack(|i| &i.v, |c| c.seq_k, hkv, dv), total_k, hkv, dv);
-        let mut starts = vec![0u32; 2 * (lengths.len() + 1)];
-        for (s, &(lq, lk)) in lengths.iter().enumerate() {
-            starts[s + 1] = starts[s] + lq as u32;
-            starts[lengths.len() + 2 + s] = starts[lengths.len() + 1 + s] + lk as u32;
-        }
-        let packed = PackedRows {
-            starts: KernelTensor::from_values(&client, &starts, [2, lengths.len() + 1]),
-            max_query: lengths.iter().map(|l| l.0).max().unwrap(),
-            max_key: lengths.iter().map(|l| l.1).max().unwrap(),
-        };
-        let params = ScoreParams::new(&shape.options, h, d, packed.max_query, packed.max_key)
-            .with_key_lengths(&shape.options);
-        let (out, lse) = forward_packed(q, k, v, packed, params);
+        let batch = PackedBatch::draw(lengths, shape, 900 + 10 * n as u64);
+        let (q, k, v, packed) = batch.upload(&client);
+        let (out, lse) = forward_packed(q, k, v, packed, batch.params());
+        let (h, dv, total_q) = (shape.heads, shape.value_dim, batch.total_q());
         assert_eq!(out.meta.shape()[..], [1, h, total_q, dv]);
-        // The references, each sequence alone, in the launch's `[heads, total_q, ..]` order.
-        let mut expected_out = vec![0.0; h * total_q * dv];
-        let mut expected_lse = vec![0.0; h * total_q];
-        let mut row = 0;
-        for (case, inputs) in &sequences {
+        let (mut expected_out, mut expected_lse) = (Vec::new(), Vec::new());
+        for (case, inputs) in &batch.sequences {
             let (out, lse) = inputs.forward(case);
-            for head in 0..h {
-                for i in 0..case.seq_q {
-                    let from = head * case.seq_q + i;
-                    let to = head * total_q + row + i;
-                    expected_lse[to] = lse[from];
-                    expected_out[to * dv..(to + 1) * dv]
-                        .copy_from_slice(&out[from * dv..(from + 1) * dv]);
-                }
-            }
-            row += case.seq_q;
+            expected_out.push(out);
+            expected_lse.push(lse);
         }
         let label = format!("packed {lengths:?} {shape:?}");
         assert_close(
             &format!("{label} output"),
             &out.read::<f32>(),
-            &expected_out,
+            &batch.by_head(&expected_out, |c| c.seq_q, h, dv),
             2e-5,
         );
         assert_close(
             &format!("{label} lse"),
             &lse.read::<f32>(),
-            &expected_lse,
+            &batch.by_head(&expected_lse, |c| c.seq_q, h, 1),
             2e-5,
         );
     }

@@ -9,7 +9,8 @@ mod inputs;
 use cubecl::Device;
 use cubecl::prelude::*;
 
-use super::tensors::KernelTensor;
+use super::ScoreParams;
+use super::tensors::{KernelTensor, PackedRows};
 use crate::{CausalAlignment, FlashAttentionOptions};
 
 /// The client of the default wgpu device, outputs poisoned for every launch of this process.
@@ -422,6 +423,161 @@ impl Inputs {
             }
         }
         [dq, dk, d_v]
+    }
+}
+
+/// Sequences of different lengths, each a one-sequence [`Case`] with its own inputs, packed
+/// along the rows (`[total, heads, dim]`) for the packed launches.
+pub struct PackedBatch {
+    pub sequences: Vec<(Case, Inputs)>,
+}
+
+impl PackedBatch {
+    /// Sequences of these (query, key) lengths with `shape`'s heads, dims and options, each
+    /// drawing fresh inputs from `seed` on.
+    pub fn draw(lengths: &[(usize, usize)], shape: &Case, seed: u64) -> Self {
+        let sequences = lengths
+            .iter()
+            .enumerate()
+            .map(|(s, &(seq_q, seq_k))| {
+                let case = Case {
+                    batch: 1,
+                    seq_q,
+                    seq_k,
+                    ..shape.clone()
+                };
+                let inputs = Inputs::draw(&case, seed + s as u64);
+                (case, inputs)
+            })
+            .collect();
+        Self { sequences }
+    }
+
+    fn shape(&self) -> &Case {
+        &self.sequences[0].0
+    }
+
+    pub fn total_q(&self) -> usize {
+        self.sequences.iter().map(|(c, _)| c.seq_q).sum()
+    }
+
+    pub fn total_k(&self) -> usize {
+        self.sequences.iter().map(|(c, _)| c.seq_k).sum()
+    }
+
+    /// Each sequence's `[1, heads, rows, dim]` values (`rows` of its case) packed into
+    /// `[total, heads, dim]`.
+    pub fn pack<T: Copy>(
+        &self,
+        parts: &[&[T]],
+        rows: fn(&Case) -> usize,
+        heads: usize,
+        dim: usize,
+    ) -> Vec<T> {
+        let mut packed = Vec::new();
+        for ((case, _), part) in self.sequences.iter().zip(parts) {
+            for row in 0..rows(case) {
+                for head in 0..heads {
+                    let at = (head * rows(case) + row) * dim;
+                    packed.extend_from_slice(&part[at..at + dim]);
+                }
+            }
+        }
+        packed
+    }
+
+    /// Each sequence's `[1, heads, rows, dim]` values in the packed launches' `[1, heads,
+    /// total, dim]` order.
+    pub fn by_head(
+        &self,
+        parts: &[Vec<f64>],
+        rows: fn(&Case) -> usize,
+        heads: usize,
+        dim: usize,
+    ) -> Vec<f64> {
+        let total: usize = self.sequences.iter().map(|(c, _)| rows(c)).sum();
+        let mut out = vec![0.0; heads * total * dim];
+        let mut first = 0;
+        for ((case, _), part) in self.sequences.iter().zip(parts) {
+            let n = rows(case);
+            for head in 0..heads {
+                let from = head * n * dim;
+                let to = (head * total + first) * dim;
+                out[to..to + n * dim].copy_from_slice(&part[from..from + n * dim]);
+            }
+            first += n;
+        }
+        out
+    }
+
+    /// `[total, heads, dim]` host values as the `[1, heads, total, dim]` view the launches read.
+    pub fn upload_rows(
+        client: &Client,
+        values: &[f32],
+        rows: usize,
+        heads: usize,
+        dim: usize,
+    ) -> KernelTensor {
+        KernelTensor::from_f32(client, values, [1, rows, heads, dim]).swapped(1, 2)
+    }
+
+    /// q, k and v packed on the device, and where their sequences lie.
+    pub fn upload(
+        &self,
+        client: &Client,
+    ) -> (KernelTensor, KernelTensor, KernelTensor, PackedRows) {
+        let shape = self.shape();
+        let (h, hkv, d, dv) = (shape.heads, shape.kv_heads, shape.head_dim, shape.value_dim);
+        let side = |part: fn(&Inputs) -> &[f32], rows: fn(&Case) -> usize, heads, dim| {
+            let parts: Vec<&[f32]> = self.sequences.iter().map(|(_, i)| part(i)).collect();
+            let total = self.sequences.iter().map(|(c, _)| rows(c)).sum();
+            Self::upload_rows(
+                client,
+                &self.pack(&parts, rows, heads, dim),
+                total,
+                heads,
+                dim,
+            )
+        };
+        let q = side(|i| &i.q, |c| c.seq_q, h, d);
+        let k = side(|i| &i.k, |c| c.seq_k, hkv, d);
+        let v = side(|i| &i.v, |c| c.seq_k, hkv, dv);
+        let n = self.sequences.len();
+        let mut starts = vec![0u32; 2 * (n + 1)];
+        for (s, (case, _)) in self.sequences.iter().enumerate() {
+            starts[s + 1] = starts[s] + case.seq_q as u32;
+            starts[n + 2 + s] = starts[n + 1 + s] + case.seq_k as u32;
+        }
+        let packed = PackedRows {
+            starts: KernelTensor::from_values(client, &starts, [2, n + 1]),
+            max_query: self
+                .sequences
+                .iter()
+                .map(|(c, _)| c.seq_q)
+                .max()
+                .unwrap_or(0),
+            max_key: self
+                .sequences
+                .iter()
+                .map(|(c, _)| c.seq_k)
+                .max()
+                .unwrap_or(0),
+        };
+        (q, k, v, packed)
+    }
+
+    /// The kernel parameters of the shape's options over the longest sequence.
+    pub fn params(&self) -> ScoreParams {
+        let shape = self.shape();
+        let max = |rows: fn(&Case) -> usize| self.sequences.iter().map(|(c, _)| rows(c)).max();
+        ScoreParams::new(
+            &shape.options,
+            shape.heads,
+            shape.head_dim,
+            max(|c| c.seq_q).unwrap_or(0),
+            max(|c| c.seq_k).unwrap_or(0),
+        )
+        .with_key_lengths(&shape.options)
     }
 }
 
