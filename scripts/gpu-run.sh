@@ -144,9 +144,9 @@ for stage in "$@"; do
   sanitize)
     # compute-sanitizer over every fused kernel on ragged shapes (the tests below launch the
     # forward and both backward dQ modes, the forward's mask packing and staging, and its
-    # per-sequence lengths and pages), one process per tool, all at once; exit code 9 means the
-    # tool reported an error. SANITIZE_TESTS: other tests instead.
-    tests=${SANITIZE_TESTS:-reliability::cuda::sanitizer_shapes_cuda masks::cuda::boolean_masks_cuda lengths::cuda::sanitizer_shapes_lengths_cuda}
+    # per-sequence lengths and pages, and packed sequences), one process per tool, all at once;
+    # exit code 9 means the tool reported an error. SANITIZE_TESTS: other tests instead.
+    tests=${SANITIZE_TESTS:-reliability::cuda::sanitizer_shapes_cuda masks::cuda::boolean_masks_cuda lengths::cuda::sanitizer_shapes_lengths_cuda varlen::cuda::sanitizer_shapes_varlen_cuda}
     for tool in ${SANITIZERS:-memcheck racecheck synccheck initcheck}; do
       ( BURN_FLASH_REQUIRE_CUDA=1 CUBECL_AUTOTUNE_LEVEL=minimal timeout "${SANITIZE_TIMEOUT:-400}" \
           compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 50 \

@@ -149,25 +149,30 @@ impl Packed {
             }
             row += lq;
             let (q, k, v) = (widen(&inputs.q), widen(&inputs.k), widen(&inputs.v));
-            grads.push(reference_grads(&inputs.problem, &q, &k, &v, &g, spec, None));
+            let (dq, dk, dv) = reference_grads(&inputs.problem, &q, &k, &v, &g, spec, None);
+            grads.push([dq, dk, dv]);
         }
-        let side = |pick: fn(&(Vec<f64>, Vec<f64>, Vec<f64>)) -> &Vec<f64>,
-                    rows: fn(&(usize, usize)) -> usize,
-                    heads,
-                    dim| {
+        // Gradient `n` of every sequence, `rows` rows of `heads` heads each, packed.
+        let side = |n: usize, rows: fn(&(usize, usize)) -> usize, heads, dim| {
             let parts: Vec<(&[f64], usize)> = grads
                 .iter()
                 .zip(&batch.lengths)
-                .map(|(g, l)| (&pick(g)[..], rows(l)))
+                .map(|(g, l)| (&g[n][..], rows(l)))
                 .collect();
             pack(&parts, heads, dim)
         };
         [
-            side(|g| &g.0, |l| l.0, h, d),
-            side(|g| &g.1, |l| l.1, hkv, d),
-            side(|g| &g.2, |l| l.1, hkv, dv),
+            side(0, |l| l.0, h, d),
+            side(1, |l| l.1, hkv, d),
+            side(2, |l| l.1, hkv, dv),
         ]
     }
+}
+
+/// The padded path's specs: its queries are padded after a sequence's rows top-left, before
+/// them bottom-right.
+fn padded_specs() -> [Spec; 2] {
+    [Spec::from(true), Spec::from(true).top_left()]
 }
 
 /// Causal and not, a window, top-left.
@@ -184,18 +189,19 @@ fn specs() -> Vec<Spec> {
     ]
 }
 
-/// The forward of every spec on fresh inputs of `batch`; returns the failures.
+/// The forward of each of `specs` on fresh inputs of `batch`; returns the failures.
 fn run(
     device: &Device,
     dtype: DType,
     batch: &Batch,
     seed: u64,
+    specs: &[Spec],
     accept: impl Fn(&Error) -> bool,
 ) -> Vec<String> {
     burn_flash::testing::poison_outputs(true);
     let packing = batch.packing(device);
     let mut failures = Vec::new();
-    for (n, spec) in specs().into_iter().enumerate() {
+    for (n, &spec) in specs.iter().enumerate() {
         let packed = Packed::draw(batch, dtype, seed + n as u64, device);
         let got = try_flash_attention_varlen(
             packed.q.clone(),
@@ -223,19 +229,20 @@ fn run(
     failures
 }
 
-/// The gradients of q, k and v through an autodiff `device` for every spec; returns the
+/// The gradients of q, k and v through an autodiff `device` for each of `specs`; returns the
 /// failures.
 fn run_grads(
     device: &Device,
     dtype: DType,
     batch: &Batch,
     seed: u64,
+    specs: &[Spec],
     accept: impl Fn(&Error) -> bool,
 ) -> Vec<String> {
     burn_flash::testing::poison_outputs(true);
     let packing = batch.packing(device);
     let mut failures = Vec::new();
-    for (n, spec) in specs().into_iter().enumerate() {
+    for (n, &spec) in specs.iter().enumerate() {
         let packed = Packed::draw(batch, dtype, seed + n as u64, device);
         let [q, k, v] = [&packed.q, &packed.k, &packed.v].map(|t| t.clone().require_grad());
         let out = try_flash_attention_varlen(
@@ -315,6 +322,7 @@ mod wgpu {
             DType::F32,
             &Batch::same(&LENGTHS, 4, 2, 32),
             10,
+            &specs(),
             accept,
         );
         failures.extend(run(
@@ -322,6 +330,7 @@ mod wgpu {
             DType::F32,
             &Batch::new(&CROSS, 4, 1, 64).value_dim(16),
             20,
+            &specs(),
             accept,
         ));
         failures.extend(run(
@@ -329,6 +338,7 @@ mod wgpu {
             DType::F32,
             &Batch::new(&[(9, 40), (33, 33), (2, 0)], 2, 2, 300),
             30,
+            &padded_specs(),
             accept,
         ));
         assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -345,6 +355,7 @@ mod wgpu {
             DType::F32,
             &Batch::same(&LENGTHS, 4, 2, 32),
             40,
+            &specs(),
             accept,
         );
         failures.extend(run_grads(
@@ -352,6 +363,7 @@ mod wgpu {
             DType::F32,
             &Batch::new(&CROSS, 2, 1, 32).value_dim(16),
             50,
+            &specs(),
             accept,
         ));
         failures.extend(run_grads(
@@ -359,6 +371,7 @@ mod wgpu {
             DType::F32,
             &Batch::new(&[(9, 40), (33, 33), (2, 0)], 2, 2, 300),
             55,
+            &padded_specs(),
             accept,
         ));
         assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -434,9 +447,9 @@ mod cuda {
         let mut failures = Vec::new();
         for head_dim in [64, 128] {
             let batch = Batch::same(&lengths, 8, 2, head_dim);
-            failures.extend(run(&device, DType::BF16, &batch, 60, accept));
+            failures.extend(run(&device, DType::BF16, &batch, 60, &specs(), accept));
             let cross = Batch::new(&[(16, 3000), (700, 300), (0, 5), (1, 1)], 8, 8, head_dim);
-            failures.extend(run(&device, DType::BF16, &cross, 70, accept));
+            failures.extend(run(&device, DType::BF16, &cross, 70, &specs(), accept));
         }
         let autodiff = device.autodiff();
         for (seed, batch) in [
@@ -448,7 +461,14 @@ mod cuda {
         .enumerate()
         {
             let seed = 80 + 10 * seed as u64;
-            failures.extend(run_grads(&autodiff, DType::BF16, batch, seed, accept_grads));
+            failures.extend(run_grads(
+                &autodiff,
+                DType::BF16,
+                batch,
+                seed,
+                &specs(),
+                accept_grads,
+            ));
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
@@ -467,13 +487,21 @@ mod cuda {
             Batch::new(&[(5, 200), (130, 60), (0, 3), (2, 0)], 4, 4, 128),
         ];
         for (n, batch) in batches.iter().enumerate() {
-            failures.extend(run(&device, DType::BF16, batch, 90 + n as u64, accept));
+            failures.extend(run(
+                &device,
+                DType::BF16,
+                batch,
+                90 + n as u64,
+                &specs(),
+                accept,
+            ));
             let autodiff = device.clone().autodiff();
             failures.extend(run_grads(
                 &autodiff,
                 DType::BF16,
                 batch,
                 95 + n as u64,
+                &specs(),
                 accept_grads,
             ));
         }

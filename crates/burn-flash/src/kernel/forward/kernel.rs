@@ -575,7 +575,7 @@ fn fetch_block<E: Float, M: Int>(
         kv_start,
         coords.band.seq_k,
     )
-    .from_row(coords.k_row);
+    .shifted(coords.k_row);
     #[comptime]
     if let (ComptimeOption::Some(k_map), ComptimeOption::Some(v_map)) = (k_map, v_map) {
         fetch_stage_tma::<E>(
@@ -694,7 +694,7 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
             first_row,
             coords.band.seq_k,
         )
-        .from_row(coords.k_row);
+        .shifted(coords.k_row);
         sync_cube();
         load_block::<E>(
             k,

@@ -26,7 +26,7 @@ pub struct BlockRows {
 #[cube]
 impl BlockRows {
     /// These rows in a packed tensor whose sequence's keys start at row `row`.
-    pub fn from_row(self, row: usize) -> BlockRows {
+    pub fn shifted(self, row: usize) -> BlockRows {
         let mut rows = self;
         rows.first += row;
         rows.end += row;
