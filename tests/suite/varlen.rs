@@ -10,7 +10,10 @@ use crate::common;
 
 use burn::tensor::{DType, Device, Distribution, Tensor};
 use burn_flash::{FlashAttentionError, PackedSequences, try_flash_attention_varlen};
-use common::{Error, Inputs, Problem, Spec, error, reference_grads, to_host, widen};
+use common::{
+    Error, Inputs, Problem, Scores, Spec, error, reference_attention_scores,
+    reference_grads_scores, to_host, widen,
+};
 
 /// One packed batch: each sequence's (queries, keys), and the heads and dims they share.
 #[derive(Clone, Debug)]
@@ -41,6 +44,14 @@ impl Batch {
 
     fn value_dim(self, value_dim: usize) -> Self {
         Self { value_dim, ..self }
+    }
+
+    /// Dropout of `prob` seeded by `seed` over sequence `s` as the packed kernels draw it:
+    /// the sequence is batch entry `s`, its queries and keys counted from its first rows, over
+    /// a row of the packing's total keys (`docs/features.md`, "Variable-length batches").
+    fn dropout(&self, s: usize, (prob, seed): (f64, u64)) -> Scores {
+        let total_k = self.lengths.iter().map(|l| l.1).sum();
+        Scores::default().with_dropout_at(&self.problem(s), prob, seed, s * self.heads, total_k)
     }
 
     /// Sequence `s` as a one-sequence problem of its own.
@@ -118,12 +129,17 @@ impl Packed {
         }
     }
 
-    /// The packed reference output `[total_q, heads, value_dim]`.
-    fn reference(&self, batch: &Batch, spec: Spec) -> Vec<f64> {
+    /// The packed reference output `[total_q, heads, value_dim]`, with dropout where given.
+    fn reference(&self, batch: &Batch, spec: Spec, dropout: Option<(f64, u64)>) -> Vec<f64> {
         let outs: Vec<Vec<f64>> = self
             .inputs
             .iter()
-            .map(|i| i.reference(spec, None).0)
+            .enumerate()
+            .map(|(s, i)| {
+                let extra = dropout.map_or_else(Scores::default, |d| batch.dropout(s, d));
+                let (q, k, v) = (widen(&i.q), widen(&i.k), widen(&i.v));
+                reference_attention_scores(&i.problem, &q, &k, &v, spec, None, &extra).0
+            })
             .collect();
         let parts: Vec<(&[f64], usize)> = outs
             .iter()
@@ -134,11 +150,17 @@ impl Packed {
     }
 
     /// The packed reference gradients of q, k and v for the packed output gradient `grad_out`.
-    fn reference_grads(&self, batch: &Batch, spec: Spec, grad_out: &[f64]) -> [Vec<f64>; 3] {
+    fn reference_grads(
+        &self,
+        batch: &Batch,
+        spec: Spec,
+        dropout: Option<(f64, u64)>,
+        grad_out: &[f64],
+    ) -> [Vec<f64>; 3] {
         let (h, hkv, d, dv) = (batch.heads, batch.kv_heads, batch.head_dim, batch.value_dim);
         let mut row = 0;
         let mut grads = Vec::new();
-        for (inputs, &(lq, _)) in self.inputs.iter().zip(&batch.lengths) {
+        for (s, (inputs, &(lq, _))) in self.inputs.iter().zip(&batch.lengths).enumerate() {
             // This sequence's `[total, h, dv]` rows as `[1, h, lq, dv]`.
             let mut g = vec![0.0; h * lq * dv];
             for i in 0..lq {
@@ -149,7 +171,9 @@ impl Packed {
             }
             row += lq;
             let (q, k, v) = (widen(&inputs.q), widen(&inputs.k), widen(&inputs.v));
-            let (dq, dk, dv) = reference_grads(&inputs.problem, &q, &k, &v, &g, spec, None);
+            let extra = dropout.map_or_else(Scores::default, |d| batch.dropout(s, d));
+            let (dq, dk, dv, _) =
+                reference_grads_scores(&inputs.problem, &q, &k, &v, &g, spec, None, &extra);
             grads.push([dq, dk, dv]);
         }
         // Gradient `n` of every sequence, `rows` rows of `heads` heads each, packed.
@@ -217,7 +241,7 @@ fn run(
         );
         let err = error(
             &to_host(got),
-            &packed.reference(batch, spec),
+            &packed.reference(batch, spec, None),
             batch.value_dim,
         );
         let label = format!("{dtype:?} {batch:?} {spec}");
@@ -237,6 +261,7 @@ fn run_grads(
     batch: &Batch,
     seed: u64,
     specs: &[Spec],
+    dropout: Option<(f64, u64)>,
     accept: impl Fn(&Error) -> bool,
 ) -> Vec<String> {
     burn_flash::testing::poison_outputs(true);
@@ -250,15 +275,17 @@ fn run_grads(
             k.clone(),
             v.clone(),
             &packing,
-            spec.options(None),
+            dropout.map_or(spec.options(None), |(prob, seed)| {
+                spec.options(None).with_dropout(prob, seed)
+            }),
         )
         .expect("valid inputs");
         let grad_out =
             Tensor::<3>::random(out.dims(), Distribution::Normal(0.0, 1.0), device).cast(dtype);
         let grad_host = to_host(grad_out.clone());
         let grads = (out.clone() * grad_out).sum().backward();
-        let expected_out = packed.reference(batch, spec);
-        let expected = packed.reference_grads(batch, spec, &grad_host);
+        let expected_out = packed.reference(batch, spec, dropout);
+        let expected = packed.reference_grads(batch, spec, dropout, &grad_host);
         let checks = [
             ("out", to_host(out), expected_out, batch.value_dim),
             (
@@ -282,7 +309,7 @@ fn run_grads(
         ];
         for (what, got, expected, row) in checks {
             let err = error(&got, &expected, row);
-            let label = format!("{dtype:?} {batch:?} {spec} {what}");
+            let label = format!("{dtype:?} {batch:?} {spec} dropout {dropout:?} {what}");
             eprintln!("{label}: {err}");
             if !accept(&err) {
                 failures.push(format!("{label}: {err}"));
@@ -345,8 +372,8 @@ mod wgpu {
     }
 
     /// Gradients where q, k and v require them: the fused packed backward on self-attention
-    /// and cross lengths, and the padded batch through Burn's unfused attention (head dim
-    /// 300).
+    /// and cross lengths, with dropout too, and the padded batch through Burn's unfused
+    /// attention (head dim 300).
     #[test]
     fn packed_gradients_match_the_reference() {
         let device = Device::wgpu(Default::default()).autodiff();
@@ -356,6 +383,7 @@ mod wgpu {
             &Batch::same(&LENGTHS, 4, 2, 32),
             40,
             &specs(),
+            None,
             accept,
         );
         failures.extend(run_grads(
@@ -364,6 +392,7 @@ mod wgpu {
             &Batch::new(&CROSS, 2, 1, 32).value_dim(16),
             50,
             &specs(),
+            None,
             accept,
         ));
         failures.extend(run_grads(
@@ -372,6 +401,17 @@ mod wgpu {
             &Batch::new(&[(9, 40), (33, 33), (2, 0)], 2, 2, 300),
             55,
             &padded_specs(),
+            None,
+            accept,
+        ));
+        // Dropout: the packed backward regenerates the forward's decisions per sequence.
+        failures.extend(run_grads(
+            &device,
+            DType::F32,
+            &Batch::new(&CROSS, 2, 1, 32),
+            60,
+            &specs()[..2],
+            Some((0.2, 0x5EED)),
             accept,
         ));
         assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -467,6 +507,7 @@ mod cuda {
                 batch,
                 seed,
                 &specs(),
+                None,
                 accept_grads,
             ));
         }
@@ -502,6 +543,7 @@ mod cuda {
                 batch,
                 95 + n as u64,
                 &specs(),
+                None,
                 accept_grads,
             ));
         }

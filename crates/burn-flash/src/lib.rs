@@ -19,6 +19,10 @@
 //! log-sum-exp) whose backward runs the fused backward kernels on the same tile as the forward,
 //! so training never materialises the score matrix either.
 //!
+//! Batches of sequences of different lengths packed along the rows (FlashAttention-2's varlen
+//! layout) run through [`try_flash_attention_varlen`], forward and backward fused, with no work
+//! on padding; decoding against a key/value cache through [`KvCache`] and [`PagedKvCache`].
+//!
 //! The kernels and their launches on CubeCL tensors, without Burn, are in [`kernel`].
 //!
 //! # Example

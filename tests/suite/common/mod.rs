@@ -293,12 +293,26 @@ impl Scores {
     /// These inputs with dropout of `prob` seeded by `seed`: factor 0 for dropped pairs,
     /// `2⁸ / threshold` for kept ones.
     pub fn with_dropout(self, p: &Problem, prob: f64, seed: u64) -> Self {
+        self.with_dropout_at(p, prob, seed, 0, p.seq_k)
+    }
+
+    /// [`with_dropout`](Self::with_dropout) as drawn for `p`'s heads numbered from `first_bh`,
+    /// with `row_keys` keys per row of the generator's counter (a packed batch's sequence: its
+    /// batch entry's first head, the packing's total keys).
+    pub fn with_dropout_at(
+        self,
+        p: &Problem,
+        prob: f64,
+        seed: u64,
+        first_bh: usize,
+        row_keys: usize,
+    ) -> Self {
         let scale = 256.0 / dropout_threshold(prob) as f64;
         let (sq, sk) = (p.seq_q, p.seq_k);
         let keep = (0..p.batch * p.heads * sq * sk)
             .map(|at| {
-                let (bh, i, j) = (at / (sq * sk), at / sk % sq, at % sk);
-                if dropout_keeps(seed, prob, bh, i, j, sk) {
+                let (bh, i, j) = (first_bh + at / (sq * sk), at / sk % sq, at % sk);
+                if dropout_keeps(seed, prob, bh, i, j, row_keys) {
                     scale
                 } else {
                     0.0
