@@ -339,6 +339,27 @@ pub struct PackedRows {
     pub max_key: usize,
 }
 
+impl PackedRows {
+    /// These rows with their starts contiguous.
+    ///
+    /// # Panics
+    ///
+    /// Where the starts are not `[2, sequences + 1]` u32.
+    pub(crate) fn checked(self) -> Self {
+        let starts = &self.starts;
+        assert!(
+            starts.dtype == U32 && starts.meta.shape().len() == 2 && starts.meta.shape()[0] == 2,
+            "packed starts are [2, sequences + 1] u32, not {:?} {:?}",
+            starts.meta.shape(),
+            starts.dtype
+        );
+        Self {
+            starts: self.starts.into_contiguous(),
+            ..self
+        }
+    }
+}
+
 /// What the plans need to know of one score input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct InputFacts {

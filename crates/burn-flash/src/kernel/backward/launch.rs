@@ -168,14 +168,10 @@ pub fn backward_packed(
     packed: PackedRows,
     params: ScoreParams,
 ) -> Grads {
-    let packed = PackedRows {
-        starts: packed.starts.into_contiguous(),
-        ..packed
-    };
     let options = Options {
         deterministic: true,
         bias_grad: false,
-        packed: Some(packed),
+        packed: Some(packed.checked()),
     };
     launch(
         q,

@@ -105,21 +105,11 @@ pub fn forward_packed(
     packed: PackedRows,
     params: ScoreParams,
 ) -> (KernelTensor, KernelTensor) {
-    let starts = &packed.starts;
-    assert!(
-        starts.dtype == U32 && starts.meta.shape().len() == 2 && starts.meta.shape()[0] == 2,
-        "packed starts are [2, sequences + 1] u32, not {:?} {:?}",
-        starts.meta.shape(),
-        starts.dtype
-    );
+    let packed = packed.checked();
     assert!(
         q.meta.shape()[0] == 1 && k.meta.shape()[0] == 1 && v.meta.shape()[0] == 1,
         "packed sequences are one batch"
     );
-    let packed = PackedRows {
-        starts: packed.starts.into_contiguous(),
-        ..packed
-    };
     let (q, k, v) = (
         q.into_aligned_rows(),
         k.into_aligned_rows(),
