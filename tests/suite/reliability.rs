@@ -843,6 +843,104 @@ mod cuda {
         assert_none(failures);
     }
 
+    /// Decoding against caches of more than `u32::MAX` elements (`[1, 32, 2^20 + 256, 128]`,
+    /// and grouped: 32 query heads over `[1, 8, 2^22 + 64, 128]`; 8.6 GB each in bf16): keys
+    /// and values staged by tensor maps are not indexed by the kernel, so the launch keeps
+    /// 32-bit arithmetic where the copies would need 64 (on devices with tensor maps). The
+    /// last head's rows lie past element 2^32: its output (and the first head's) by the
+    /// unfused rule against the f64 reference.
+    #[test]
+    fn decoding_past_u32_max_cache_elements_cuda() {
+        let Some(device) = cuda_device("decoding_past_u32_max_cache_elements_cuda") else {
+            return;
+        };
+        burn_flash::testing::poison_outputs(true);
+        let d = 128;
+        let mut failures = Vec::new();
+        for (heads, kv_heads, keys) in [(32, 32, (1 << 20) + 256), (32, 8, (1 << 22) + 64)] {
+            assert!(kv_heads * keys * d > u32::MAX as usize);
+            let started = std::time::Instant::now();
+            device.seed(2033 + kv_heads as u64);
+            let random = |dims: [usize; 4]| {
+                Tensor::<4>::random(dims, Distribution::Normal(0.0, 1.0), (&device, DType::BF16))
+            };
+            let (q, k, v) = (
+                random([1, heads, 1, d]),
+                random([1, kv_heads, keys, d]),
+                random([1, kv_heads, keys, d]),
+            );
+            let (tma, wide) = (
+                burn_flash::testing::tma_launches(),
+                burn_flash::testing::wide_forward_launches(),
+            );
+            let out = flash_attention(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                FlashAttentionOptions::default(),
+            );
+            let out = to_host(out);
+            let staged_by_maps = burn_flash::testing::tma_launches() > tma;
+            let label = format!("{heads}/{kv_heads} heads, {keys} keys");
+            eprintln!(
+                "{label}: forward in {:.2?}, tensor maps {staged_by_maps}",
+                started.elapsed()
+            );
+            if staged_by_maps && burn_flash::testing::wide_forward_launches() > wide {
+                failures.push(format!(
+                    "{label}: staged by tensor maps, yet a 64-bit launch"
+                ));
+            }
+            let scale = 1.0 / (d as f64).sqrt();
+            let seen: Vec<usize> = (0..keys).collect();
+            let spec = Spec::from(false);
+            for head in [0, heads - 1] {
+                let kv_head = head / (heads / kv_heads);
+                let host32 = |t: &Tensor<4>, h: usize| {
+                    to_host(t.clone().slice([0..1, h..h + 1]))
+                        .into_iter()
+                        .map(|x| x as f32)
+                        .collect::<Vec<f32>>()
+                };
+                let (hq, hk, hv) = (host32(&q, head), host32(&k, kv_head), host32(&v, kv_head));
+                let (reference, _) = reference_row_keys(
+                    &widen(&hq),
+                    &widen(&hk),
+                    &widen(&hv),
+                    d,
+                    &seen,
+                    scale,
+                    &spec,
+                    None,
+                    None,
+                );
+                let unfused = unfused_row_keys(
+                    &hq,
+                    &hk,
+                    &hv,
+                    d,
+                    &seen,
+                    scale,
+                    &spec,
+                    None,
+                    None,
+                    DType::BF16,
+                );
+                failures.extend(twice_unfused(
+                    &format!("{label} head {head}"),
+                    "output",
+                    &out[head * d..(head + 1) * d],
+                    &unfused,
+                    &reference,
+                    d,
+                    DType::BF16,
+                    0.0,
+                ));
+            }
+        }
+        assert_none(failures);
+    }
+
     /// Ragged shapes through every kernel (forward, both backward dQ modes; grouped heads, a
     /// two-sided window, the softcap), checked against the f64 reference within the backward
     /// tests' sanity bound: the shapes `compute-sanitizer` runs over (`scripts/gpu-run.sh

@@ -183,6 +183,25 @@ pub(crate) fn record_tma_launch() {
     TMA_STAGED.fetch_add(1, Ordering::Relaxed);
 }
 
+static WIDE_FORWARDS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many forward launches of this process have indexed with 64 bits (tensors of more than
+/// `u32::MAX` elements, or [`force_wide_indices`]), so tests can tell which width a call took.
+///
+/// # Example
+///
+/// ```
+/// assert_eq!(burn_flash::testing::wide_forward_launches(), 0); // no attention ran yet
+/// ```
+pub fn wide_forward_launches() -> usize {
+    WIDE_FORWARDS.load(Ordering::Relaxed)
+}
+
+/// Counts one 64-bit forward launch for [`wide_forward_launches`].
+pub(crate) fn record_wide_forward() {
+    WIDE_FORWARDS.fetch_add(1, Ordering::Relaxed);
+}
+
 static VIEWS_IN_PLACE: AtomicUsize = AtomicUsize::new(0);
 
 /// How many non-contiguous key and value inputs (views, such as a cache's filled prefix) the

@@ -171,6 +171,21 @@ impl KernelTensor {
         Self::new(self.client, self.handle, shape, strides, self.dtype)
     }
 
+    /// This tensor's metadata with its last dim cut to one element: for a kernel that reads
+    /// the tensor through a tensor map and takes from it only its other dims.
+    pub(crate) fn with_unit_rows(&self) -> Self {
+        let mut shape = self.meta.shape().to_vec();
+        *shape.last_mut().expect("a tensor of rank one or more") = 1;
+        let strides = self.meta.strides().to_vec();
+        Self::new(
+            self.client.clone(),
+            self.handle.clone(),
+            shape,
+            strides,
+            self.dtype,
+        )
+    }
+
     /// This tensor with dims `a` and `b` exchanged: the same elements, read through swapped
     /// strides.
     pub fn swapped(self, a: usize, b: usize) -> Self {

@@ -232,10 +232,24 @@ fn launch(
     let (k_map, v_map) = (stage_map(&k, &cfg), stage_map(&v, &cfg));
     let cube_dim = cube_dim(&cfg);
     let cube_count = cube_count(&cfg, seq_q, heads, batch, splits);
+    // Keys and values staged by tensor maps are never indexed by the kernel (the copy engine
+    // addresses them), so a cache of more than `u32::MAX` elements keeps 32-bit arithmetic
+    // (performance.md, "Decoding against a KV cache"). The kernel still takes their first three
+    // dims (batch or page, head, row); their rows' width is cut to one there, so that the
+    // element count CubeCL passes with a tensor (a 32-bit scalar in a 32-bit kernel) fits.
+    let (k, v, indexed_kv) = if cfg.tma {
+        (k.with_unit_rows(), v.with_unit_rows(), vec![])
+    } else {
+        (k.clone(), v.clone(), vec![&k, &v])
+    };
     // The score inputs can be the largest tensors of the launch (`[b, h, sq, sk]`).
-    let address = address_type(&[&q, &k, &v, &kernel_out])
+    let address = address_type(&[&q, &kernel_out, &kernel_lse])
+        .max(address_type(&indexed_kv))
         .max(inputs.address_type())
         .max(address_type(&hidden_blocks.iter().collect::<Vec<_>>()));
+    if address == AddressType::U64 {
+        crate::testing::record_wide_forward();
+    }
     let dtypes = [q.dtype, inputs.mask_dtype()];
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
 
