@@ -486,3 +486,28 @@ fn packed_sequences_match_each_sequence_alone() {
         }
     }
 }
+
+/// `UnfusedF32` on f16 heads computes in f32 and rounds once: a f16 context within one f16
+/// rounding of the f64 attention of the same inputs (the f16 unfused computation also rounds
+/// its scores and probabilities, several roundings in all).
+#[test]
+fn f32_reference_kernel_rounds_once() {
+    let device = Device::wgpu(Default::default());
+    let p = Problem::cross(1, HEADS, 9, 40, D_MODEL / HEADS);
+    let inputs = common::Inputs::random(p, DType::F16, 21);
+    let (expected, _) = inputs.reference(true, None);
+    let module = with_kernel(&module(true, &device), AttentionKernel::UnfusedF32);
+    let [q, k, v] = inputs.to_device(&device);
+    let out = module.attend(q, k, v);
+    assert_eq!(out.dtype(), DType::F16);
+    let e = error(&to_host(out), &expected, p.head_dim);
+    let u = common::unit_roundoff(DType::F16);
+    println!("UnfusedF32 on f16: {e}");
+    assert!(e.finite() && e.relative <= 1.01 * u, "{e}");
+    let [q, k, v] = inputs.to_device(&device);
+    let unfused = with_kernel(&module, AttentionKernel::Unfused).attend(q, k, v);
+    let e16 = error(&to_host(unfused), &expected, p.head_dim);
+    println!("Unfused on f16: {e16}");
+    // The bound tells the two apart: the f16 computation misses it (5.8e-4 on these inputs).
+    assert!(e16.finite() && e16.relative > u, "{e16}");
+}

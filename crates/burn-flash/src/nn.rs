@@ -23,7 +23,7 @@ use burn::nn::{DropoutConfig, Linear, LinearConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Bool, Device, Int, Tensor};
+use burn::tensor::{Bool, DType, Device, Int, Tensor};
 
 use crate::api::{AttentionMask, burn_attention, flash_attention_masked};
 use crate::cache::KvCache;
@@ -31,8 +31,8 @@ use crate::error::FlashAttentionError;
 use crate::options::{AttentionWindow, FlashAttentionOptions};
 use crate::varlen::{PackedSequences, try_flash_attention_varlen};
 
-/// Which implementation computes the attention inside [`FlashMultiHeadAttention`]. All three
-/// compute the same function; they differ in speed and memory.
+/// Which implementation computes the attention inside [`FlashMultiHeadAttention`]. All four
+/// compute the same function; they differ in speed, memory and rounding.
 ///
 /// # Example
 ///
@@ -53,6 +53,11 @@ pub enum AttentionKernel {
     /// `burn::tensor::module::attention_fallback`: matmul, softmax, matmul, holding the
     /// `seq_q × seq_k` scores.
     Unfused,
+    /// [`Unfused`](Self::Unfused) in f32 whatever the model's dtype: the queries, keys, values
+    /// and bias cast to f32 on the way in, the context cast back on the way out (the casts are
+    /// differentiable). The slow, exactly rounded reference a bf16 or f16 training run of
+    /// another kernel can be compared with.
+    UnfusedF32,
 }
 
 /// Configuration of a [`FlashMultiHeadAttention`]; the fields of Burn's
@@ -360,7 +365,15 @@ impl FlashMultiHeadAttention {
     ) -> Tensor<4> {
         let options = self.options;
         let dropout = (q.device().is_autodiff() && self.dropout > 0.0).then_some(self.dropout);
-        match (self.kernel, dropout) {
+        let dtype = q.dtype();
+        let (q, k, v, bias) = match self.kernel {
+            AttentionKernel::UnfusedF32 => {
+                let [q, k, v] = [q, k, v].map(|t| t.cast(DType::F32));
+                (q, k, v, bias.map(|b| b.cast(DType::F32)))
+            }
+            _ => (q, k, v, bias),
+        };
+        let context = match (self.kernel, dropout) {
             (AttentionKernel::Flash, None) => flash_attention_masked(q, k, v, mask, bias, options),
             (AttentionKernel::Flash, Some(prob)) => {
                 let options = options.with_dropout(prob, next_dropout_seed());
@@ -369,7 +382,7 @@ impl FlashMultiHeadAttention {
             (AttentionKernel::BurnBuiltin, None) => {
                 burn_attention(q, k, v, mask, bias, options, attention)
             }
-            (AttentionKernel::Unfused, None) => {
+            (AttentionKernel::Unfused | AttentionKernel::UnfusedF32, None) => {
                 burn_attention(q, k, v, mask, bias, options, attention_fallback)
             }
             // Burn's attention operations have no dropout: both compute the unfused attention
@@ -377,6 +390,11 @@ impl FlashMultiHeadAttention {
             (_, Some(prob)) => burn_attention(q, k, v, mask, bias, options, |q, k, v, m, b, o| {
                 unfused_with_dropout(q, k, v, m, b, o, prob)
             }),
+        };
+        if context.dtype() == dtype {
+            context
+        } else {
+            context.cast(dtype)
         }
     }
 

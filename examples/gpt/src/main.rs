@@ -1,6 +1,6 @@
 //! Train a small decoder-only GPT on a byte-level text corpus, with its attention switchable
 //! between burn-flash's fused kernel, Burn's `attention` and Burn's unfused `attention_fallback`
-//! (`--attention flash|burn|unfused`). See `docs/gpt.md`; `--help` lists the flags.
+//! (`--attention flash|burn|unfused|unfused-f32`). See `docs/gpt.md`; `--help` lists the flags.
 //!
 //! ```text
 //! cargo run --release --features cuda -p gpt -- --csv target/gpt-loss.csv
@@ -150,6 +150,8 @@ enum Attention {
     Flash,
     Burn,
     Unfused,
+    /// The unfused attention computed in f32 whatever `--dtype` says: the reference curve.
+    UnfusedF32,
 }
 
 impl Attention {
@@ -158,6 +160,7 @@ impl Attention {
             Self::Flash => AttentionKernel::Flash,
             Self::Burn => AttentionKernel::BurnBuiltin,
             Self::Unfused => AttentionKernel::Unfused,
+            Self::UnfusedF32 => AttentionKernel::UnfusedF32,
         }
     }
 }
