@@ -5,6 +5,9 @@
 mod base;
 mod mma;
 mod portable;
+// The Hopper tile's instruction, checked on its own until the tile uses it.
+#[cfg(all(test, feature = "cuda"))]
+mod wgmma;
 
 pub use base::AttentionTile;
 pub use mma::MmaTile;
