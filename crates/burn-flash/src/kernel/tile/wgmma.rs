@@ -2,10 +2,10 @@
 //! be built on. CubeCL 0.12 lowers its own `wgmma` API only on its LLVM code path, and this
 //! crate compiles CUDA through the C++ one (for `cp.async`), so the products are inline PTX.
 //! One `gpu_asm!` holds a product's fence, every k-step and the commit: ptxas serialises
-//! products whose k-steps are split over several. The 32 accumulators a unit holds of a
-//! 64 × 64 f32 tile come out as one vector (a `gpu_asm!` has one output). Not yet used by the
-//! kernels: the test below checks the instruction, the shared-memory descriptors and the
-//! accumulators' layout on the GPU.
+//! products whose k-steps are split over several (nvcc 13, H200). The 32 accumulators a unit
+//! holds of a 64 × 64 f32 tile come out as one vector (a `gpu_asm!` has one output). Not yet
+//! used by the kernels: the tests below check the forward's two products on the GPU, `S = Q · Kᵀ`
+//! from shared memory and `O + P · V` with `P` in the registers `S` came out in.
 
 use cubecl::prelude::*;
 use cubecl_cpp::cuda::ptx::generic_to_shared;
@@ -67,6 +67,66 @@ pub fn product_bf16_64x64x64(a: u64, b: u64) -> Accumulators {
     d
 }
 
+/// The matrix descriptor of a tile of 16-bit values read across its rows (the B operand
+/// transposed: rows of the reduced dim, 64 values of the other each), [`swizzled`], starting at
+/// `tile`'s first element. Both offsets are the 1024 bytes from one group of 8 rows to the next:
+/// the 64 columns are one swizzle pattern wide, so the offset between patterns along them is
+/// never used. A k-step of 16 rows further is 128 more (2048 bytes).
+#[cube]
+pub fn descriptor_across_rows<E: CubePrimitive>(tile: &Shared<[E]>) -> u64 {
+    let address = u64::cast_from(generic_to_shared::<E>(tile.as_ptr()));
+    ((address >> 4) & 0x3FFF) | ((1024u64 >> 4) << 16) | ((1024u64 >> 4) << 32) | (1u64 << 62)
+}
+
+/// Registers of A a unit holds for one `product_pv_*`: four 32-bit registers (two 16-bit
+/// values each) per k-step of 16, four k-steps.
+pub type Fragment = Vector<u32, Const<16>>;
+
+/// `O + P · V` for the 64 × 64 tile of the warpgroup over 64 keys, bf16 in and f32 out: `o`
+/// the accumulators, `p` the probabilities in registers ([`fragment_position`]), `v` the
+/// [`descriptor_across_rows`] of the 64 key rows of V (64 values each). Issued, not
+/// finished: [`wait_products`] before reading the result. The accumulators pass in and out as
+/// separate operands (a `gpu_asm!` operand is one or the other), copied at the start.
+#[cube]
+pub fn product_pv_bf16_64x64x64(o: Accumulators, p: Fragment, v: u64) -> Accumulators {
+    let moves = comptime![moves_from(32, 32)];
+    let d: Accumulators;
+    gpu_asm!(
+        "{{",
+        ".reg .pred add;",
+        ".reg .b32 zero;",
+        ".reg .b64 dv;",
+        "mov.b32 zero, 0;",
+        "setp.eq.b32 add, zero, 0;",
+        "{moves}",
+        "wgmma.fence.sync.aligned;",
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {d}, {{%64, %65, %66, %67}}, {v}, add, 1, 1, 1;",
+        "add.s64 dv, {v}, 128;",
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {d}, {{%68, %69, %70, %71}}, dv, add, 1, 1, 1;",
+        "add.s64 dv, {v}, 256;",
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {d}, {{%72, %73, %74, %75}}, dv, add, 1, 1, 1;",
+        "add.s64 dv, {v}, 384;",
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {d}, {{%76, %77, %78, %79}}, dv, add, 1, 1, 1;",
+        "wgmma.commit_group.sync.aligned;",
+        "// in: {o} {p}",
+        "}}",
+        d = out(_) d,
+        // Read as values: a `gpu_asm!` input takes a mutable local by its address.
+        o = in(_) Accumulators::reinterpret(o),
+        p = in(_) Fragment::reinterpret(p),
+        v = in(_) v,
+    );
+    d
+}
+
+/// PTX copying `count` registers from `%(first + i)` to `%i`.
+fn moves_from(count: usize, first: usize) -> String {
+    (0..count)
+        .map(|i| format!("mov.b32 %{i}, %{};", first + i))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Wait for every product this warpgroup issued.
 #[cube]
 pub fn wait_products() {
@@ -83,11 +143,22 @@ pub fn position(unit: usize, #[comptime] nth: usize) -> (usize, usize) {
     (row, col)
 }
 
+/// Row and column of the first of the two values register `nth` of a unit's [`Fragment`]
+/// packs (the second is the next column): as `mma.sync`'s m16n8k16 A operand per warp and
+/// k-step, so that the accumulators of `S` at [`position`] are the values of `P` here.
+#[cube]
+pub fn fragment_position(unit: usize, #[comptime] nth: usize) -> (usize, usize) {
+    let (warp, lane) = (unit / 32, unit % 32);
+    let row = warp * 16 + lane / 4 + comptime!(nth % 2 * 8);
+    let col = comptime!(nth / 4 * 16 + (nth % 4) / 2 * 8) + (lane % 4) * 2;
+    (row, col)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::kernel::device::DeviceCaps;
-    use crate::kernel::tensors::{BF16, F32, KernelTensor};
+    use crate::kernel::tensors::{BF16, KernelTensor};
     use crate::kernel::tests::Rng;
 
     /// One warpgroup: A and B (64 × 64, rows of the reduced dim) staged swizzled, their
@@ -120,36 +191,104 @@ mod tests {
         }
     }
 
-    /// The first CUDA device with tensor maps (SM90 and newer), or why the test skips.
-    fn hopper() -> Result<Client, String> {
-        let device = cubecl::Device::enumerate_all()
+    /// One warpgroup: `O + P · V` with O and P (64 × 64) from global memory into the
+    /// accumulators and the fragment, V (64 keys × 64 values) staged swizzled.
+    #[cube(launch_unchecked)]
+    fn product_pv_probe<E: Float>(
+        o: &Tensor<f32>,
+        p: &Tensor<E>,
+        v: &Tensor<E>,
+        out: &mut Tensor<f32>,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let mut v_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
+        #[unroll]
+        for i in 0..32usize {
+            let at = UNIT_POS as usize * 32 + i;
+            v_tile[swizzled(at / 64, at % 64)] = v[at];
+        }
+        let mut acc = Accumulators::empty();
+        #[unroll]
+        for nth in 0..32usize {
+            let (row, col) = position(UNIT_POS as usize, nth);
+            acc.insert(nth, o[row * 64 + col]);
+        }
+        let mut fragment = Fragment::empty();
+        #[unroll]
+        for nth in 0..16usize {
+            let (row, col) = fragment_position(UNIT_POS as usize, nth);
+            let mut pair = Vector::<E, Const<2>>::empty();
+            pair.insert(0usize, p[row * 64 + col]);
+            pair.insert(1usize, p[row * 64 + col + 1]);
+            fragment.insert(nth, u32::reinterpret(pair));
+        }
+        sync_async_proxy_shared();
+        sync_cube();
+        let d = product_pv_bf16_64x64x64(acc, fragment, descriptor_across_rows::<E>(&v_tile));
+        wait_products();
+        #[unroll]
+        for nth in 0..32usize {
+            let (row, col) = position(UNIT_POS as usize, nth);
+            out[row * 64 + col] = d.extract(nth);
+        }
+    }
+
+    /// The first CUDA device with tensor maps (SM90 and newer), or `None` after a printed
+    /// reason; panics instead where `BURN_FLASH_REQUIRE_CUDA` is set.
+    fn hopper_or_skip(test: &str) -> Option<Client> {
+        let client = cubecl::Device::enumerate_all()
             .into_iter()
             .find(|d| matches!(d, cubecl::Device::Cuda(_)))
-            .ok_or("no CUDA device")?;
-        let client = device.client();
-        match DeviceCaps::of(&client, BF16).tma {
-            true => Ok(client),
-            false => Err("a CUDA device before SM90".to_string()),
+            .map(|device| device.client());
+        let reason = match &client {
+            None => "no CUDA device",
+            Some(client) if !DeviceCaps::of(client, BF16).tma => "a CUDA device before SM90",
+            Some(_) => return client,
+        };
+        assert!(
+            std::env::var_os("BURN_FLASH_REQUIRE_CUDA").is_none(),
+            "{test}: BURN_FLASH_REQUIRE_CUDA is set: {reason}"
+        );
+        eprintln!("{test}: skipping: {reason}");
+        None
+    }
+
+    fn bf16s(rng: &mut Rng) -> Vec<half::bf16> {
+        rng.normals(64 * 64)
+            .into_iter()
+            .map(half::bf16::from_f32)
+            .collect()
+    }
+
+    /// `got` (64 × 64, f32) against `base + Σ terms` in f64 at each `(i, j)`: f32 accumulation
+    /// of exact bf16 products is within 64 f32 roundings of the sum of the magnitudes; a wrong
+    /// row, column, swizzle or descriptor is off by O(1).
+    fn check_product(label: &str, got: &[f32], expected: impl Fn(usize, usize) -> (f64, Vec<f64>)) {
+        let mut worst = 0f64;
+        for (i, row) in got.chunks(64).enumerate() {
+            for (j, &value) in row.iter().enumerate() {
+                let (base, terms) = expected(i, j);
+                let exact = base + terms.iter().sum::<f64>();
+                let magnitude = base.abs() + terms.iter().map(|t| t.abs()).sum::<f64>();
+                let bound = magnitude * 64.0 * f32::EPSILON as f64;
+                let error = (value as f64 - exact).abs();
+                assert!(
+                    error.is_finite() && error <= bound,
+                    "{label}: [{i}][{j}] = {value}, expected {exact} (bound {bound})"
+                );
+                worst = worst.max(error);
+            }
         }
+        eprintln!("{label}, 64x64x64 bf16: largest error {worst:.3e}");
     }
 
     #[test]
     fn warpgroup_product_matches_the_reference() {
-        let client = match hopper() {
-            Ok(client) => client,
-            Err(reason) => {
-                assert!(
-                    std::env::var_os("BURN_FLASH_REQUIRE_CUDA").is_none(),
-                    "BURN_FLASH_REQUIRE_CUDA is set: {reason}"
-                );
-                eprintln!("warpgroup_product_matches_the_reference: skipping: {reason}");
-                return;
-            }
+        let Some(client) = hopper_or_skip("warpgroup_product_matches_the_reference") else {
+            return;
         };
         let mut rng = Rng::new(50);
-        let round =
-            |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
-        let (a, b) = (round(rng.normals(64 * 64)), round(rng.normals(64 * 64)));
+        let (a, b) = (bf16s(&mut rng), bf16s(&mut rng));
         let out = KernelTensor::from_f32(&client, &[f32::NAN; 64 * 64], [64, 64]);
         let [a_dev, b_dev] = [&a, &b].map(|v| KernelTensor::from_values(&client, v, [64, 64]));
         // SAFETY: one cube of 128 units, each reading its 32 of the 4096 inputs and writing its
@@ -165,29 +304,42 @@ mod tests {
                 BF16,
             );
         }
-        let got = out.read::<f32>();
-        assert_eq!(out.dtype, F32);
-        let mut worst = 0f64;
-        for (i, row) in got.chunks(64).enumerate() {
-            for (j, &value) in row.iter().enumerate() {
-                let expected: f64 = (0..64)
-                    .map(|k| a[i * 64 + k].to_f64() * b[j * 64 + k].to_f64())
-                    .sum();
-                // f32 accumulation of 64 exact products: within 64 f32 roundings of the sum
-                // of their magnitudes; a wrong row, column or swizzle is off by O(1).
-                let bound: f64 = (0..64)
-                    .map(|k| (a[i * 64 + k].to_f64() * b[j * 64 + k].to_f64()).abs())
-                    .sum::<f64>()
-                    * 64.0
-                    * f32::EPSILON as f64;
-                let error = (value as f64 - expected).abs();
-                assert!(
-                    error.is_finite() && error <= bound,
-                    "S[{i}][{j}] = {value}, expected {expected} (bound {bound})"
-                );
-                worst = worst.max(error);
-            }
+        // A · Bᵀ: row i of A against row j of B.
+        check_product("A B^T", &out.read::<f32>(), |i, j| {
+            let terms = (0..64).map(|k| a[i * 64 + k].to_f64() * b[j * 64 + k].to_f64());
+            (0.0, terms.collect())
+        });
+    }
+
+    #[test]
+    fn warpgroup_product_pv_matches_the_reference() {
+        let Some(client) = hopper_or_skip("warpgroup_product_pv_matches_the_reference") else {
+            return;
+        };
+        let mut rng = Rng::new(51);
+        let o = rng.normals(64 * 64);
+        let (p, v) = (bf16s(&mut rng), bf16s(&mut rng));
+        let out = KernelTensor::from_f32(&client, &[f32::NAN; 64 * 64], [64, 64]);
+        let o_dev = KernelTensor::from_f32(&client, &o, [64, 64]);
+        let [p_dev, v_dev] = [&p, &v].map(|x| KernelTensor::from_values(&client, x, [64, 64]));
+        // SAFETY: one cube of 128 units, each reading its 32 values of V, its accumulators and
+        // its fragment, and writing its 32 outputs.
+        unsafe {
+            product_pv_probe::launch_unchecked(
+                &client,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(128),
+                o_dev.into_tensor_arg(),
+                p_dev.into_tensor_arg(),
+                v_dev.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                BF16,
+            );
         }
-        eprintln!("warpgroup product 64x64x64 bf16: largest error {worst:.3e}");
+        // O + P · V: row i of P against column j of V.
+        check_product("O + P V", &out.read::<f32>(), |i, j| {
+            let terms = (0..64).map(|k| p[i * 64 + k].to_f64() * v[k * 64 + j].to_f64());
+            (o[i * 64 + j] as f64, terms.collect())
+        });
     }
 }
