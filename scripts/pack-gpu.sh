@@ -3,8 +3,8 @@
 # Rust), strip and compress them into .gpu/ (git-ignored), ready to be carried to the GPU
 # machine, where scripts/gpu-run.sh runs them.
 #
-#   scripts/pack-gpu.sh       # .gpu/test-suite.xz, .gpu/bench-attention.xz, .gpu/bench-decode.xz,
-#                             # .gpu/gpt.xz
+#   scripts/pack-gpu.sh       # .gpu/test-suite.xz, .gpu/test-lib.xz, .gpu/bench-attention.xz,
+#                             # .gpu/bench-decode.xz, .gpu/bench-varlen.xz, .gpu/gpt.xz
 #   scripts/pack-gpu.sh gpt   # only the GPT example, beside what .gpu/ holds
 #
 # Each binary is ~31 MB compressed (xz with its x86 filter, level 9e): two fit one GPU call's
@@ -48,6 +48,9 @@ rm -f .gpu/test-* .gpu/bench-*
 # and the CUDA halves of `cache`, `masks` and `reliability`).
 cargo test --release --features cuda --test suite --no-run --message-format json \
   | executables test | while read -r name exe; do cp "$exe" ".gpu/test-$name"; done
+# The library's own tests, for its CUDA ones (the Hopper tile's products: `TEST_FILTER=cuda`).
+cargo test --release --features cuda -p burn-flash --lib --no-run --message-format json \
+  | executables lib | while read -r name exe; do cp "$exe" ".gpu/test-lib"; done
 # `cargo build --release` rather than `cargo bench`: the bench profile would build every
 # dependency a second time.
 cargo build --release --features cuda --bench attention --bench decode --bench varlen --message-format json \

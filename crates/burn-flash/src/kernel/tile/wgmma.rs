@@ -283,8 +283,8 @@ mod tests {
     }
 
     #[test]
-    fn warpgroup_product_matches_the_reference() {
-        let Some(client) = hopper_or_skip("warpgroup_product_matches_the_reference") else {
+    fn warpgroup_product_matches_the_reference_cuda() {
+        let Some(client) = hopper_or_skip("warpgroup_product_matches_the_reference_cuda") else {
             return;
         };
         let mut rng = Rng::new(50);
@@ -312,8 +312,8 @@ mod tests {
     }
 
     #[test]
-    fn warpgroup_product_pv_matches_the_reference() {
-        let Some(client) = hopper_or_skip("warpgroup_product_pv_matches_the_reference") else {
+    fn warpgroup_product_pv_matches_the_reference_cuda() {
+        let Some(client) = hopper_or_skip("warpgroup_product_pv_matches_the_reference_cuda") else {
             return;
         };
         let mut rng = Rng::new(51);
