@@ -233,6 +233,104 @@ mod tests {
         }
     }
 
+    /// One query block's attention over `k.shape(0) / 64` key blocks with the two products:
+    /// `S = Q · Kᵀ`, the online softmax on its accumulators (each row's four lanes combined by
+    /// shuffles), `P` packed from them into the registers of `O + P · V`. Head dim 64, scale
+    /// 1/8, every key seen; blocks staged by the units, one at a time.
+    #[cube(launch_unchecked)]
+    fn attention_probe<E: Float>(
+        q: &Tensor<E>,
+        k: &Tensor<E>,
+        v: &Tensor<E>,
+        out: &mut Tensor<f32>,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let unit = UNIT_POS as usize;
+        let mut q_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
+        let mut k_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
+        let mut v_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
+        #[unroll]
+        for i in 0..32usize {
+            let at = unit * 32 + i;
+            q_tile[swizzled(at / 64, at % 64)] = q[at];
+        }
+        let scale = 0.125f32;
+        let mut o = Accumulators::new(0.0);
+        // Each unit's two rows (`16 w + lane / 4` and 8 below): running max and its part of
+        // the row sum.
+        let mut row_max = Array::<f32>::new(2usize);
+        let mut row_sum = Array::<f32>::new(2usize);
+        #[unroll]
+        for h in 0..2usize {
+            // Below any score: the first block's rescale factor is exp(-huge) = 0.
+            row_max[h] = -1.0e30f32;
+            row_sum[h] = 0.0;
+        }
+        for block in 0..k.shape(0) / 64 {
+            // Every unit waited for the last products: the tiles may be refilled.
+            sync_cube();
+            #[unroll]
+            for i in 0..32usize {
+                let at = unit * 32 + i;
+                let from = (block * 64 + at / 64) * 64 + at % 64;
+                k_tile[swizzled(at / 64, at % 64)] = k[from];
+                v_tile[swizzled(at / 64, at % 64)] = v[from];
+            }
+            sync_async_proxy_shared();
+            sync_cube();
+            let s = product_bf16_64x64x64(descriptor::<E>(&q_tile), descriptor::<E>(&k_tile));
+            wait_products();
+            let mut alpha = Array::<f32>::new(2usize);
+            #[unroll]
+            for h in 0..2usize {
+                let mut m = row_max[h];
+                #[unroll]
+                for nth in 0..32usize {
+                    if comptime!((nth % 4) / 2 == h) {
+                        m = max(m, s.extract(nth) * scale);
+                    }
+                }
+                m = max(m, plane_shuffle_xor(m, 1));
+                m = max(m, plane_shuffle_xor(m, 2));
+                alpha[h] = (row_max[h] - m).exp();
+                row_max[h] = m;
+                row_sum[h] *= alpha[h];
+            }
+            // Accumulators 2f and 2f + 1 are register f of P's fragment (same row, adjacent
+            // columns; see `fragment_position`).
+            let mut fragment = Fragment::empty();
+            #[unroll]
+            for f in 0..16usize {
+                let h = comptime!(f % 2);
+                let p0 = (s.extract(comptime!(2 * f)) * scale - row_max[h]).exp();
+                let p1 = (s.extract(comptime!(2 * f + 1)) * scale - row_max[h]).exp();
+                row_sum[h] += p0 + p1;
+                let mut pair = Vector::<E, Const<2>>::empty();
+                pair.insert(0usize, E::cast_from(p0));
+                pair.insert(1usize, E::cast_from(p1));
+                fragment.insert(f, u32::reinterpret(pair));
+            }
+            #[unroll]
+            for nth in 0..32usize {
+                let h = comptime!((nth % 4) / 2);
+                o.insert(nth, o.extract(nth) * alpha[h]);
+            }
+            o = product_pv_bf16_64x64x64(o, fragment, descriptor_across_rows::<E>(&v_tile));
+            wait_products();
+        }
+        #[unroll]
+        for h in 0..2usize {
+            let part = row_sum[h];
+            let pair = part + plane_shuffle_xor(part, 1);
+            row_sum[h] = pair + plane_shuffle_xor(pair, 2);
+        }
+        #[unroll]
+        for nth in 0..32usize {
+            let (row, col) = position(unit, nth);
+            out[row * 64 + col] = o.extract(nth) / row_sum[comptime!((nth % 4) / 2)];
+        }
+    }
+
     /// The first CUDA device with tensor maps (SM90 and newer), or `None` after a printed
     /// reason; panics instead where `BURN_FLASH_REQUIRE_CUDA` is set.
     fn hopper_or_skip(test: &str) -> Option<Client> {
@@ -341,5 +439,70 @@ mod tests {
             let terms = (0..64).map(|k| p[i * 64 + k].to_f64() * v[k * 64 + j].to_f64());
             (o[i * 64 + j] as f64, terms.collect())
         });
+    }
+
+    #[test]
+    fn warpgroup_attention_matches_the_reference_cuda() {
+        let Some(client) = hopper_or_skip("warpgroup_attention_matches_the_reference_cuda") else {
+            return;
+        };
+        let mut rng = Rng::new(52);
+        let keys = 256;
+        let round = |values: Vec<f32>| -> Vec<half::bf16> {
+            values.into_iter().map(half::bf16::from_f32).collect()
+        };
+        let q = bf16s(&mut rng);
+        let (k, v) = (round(rng.normals(keys * 64)), round(rng.normals(keys * 64)));
+        let out = KernelTensor::from_f32(&client, &[f32::NAN; 64 * 64], [64, 64]);
+        let q_dev = KernelTensor::from_values(&client, &q, [64, 64]);
+        let [k_dev, v_dev] = [&k, &v].map(|x| KernelTensor::from_values(&client, x, [keys, 64]));
+        // SAFETY: one cube of 128 units, reading the 64 query rows and every key block, each
+        // unit writing its 32 outputs.
+        unsafe {
+            attention_probe::launch_unchecked(
+                &client,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(128),
+                q_dev.into_tensor_arg(),
+                k_dev.into_tensor_arg(),
+                v_dev.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                BF16,
+            );
+        }
+        let got = out.read::<f32>();
+        let (mut worst, mut largest) = (0f64, 0f64);
+        for i in 0..64 {
+            let scores: Vec<f64> = (0..keys)
+                .map(|j| {
+                    (0..64)
+                        .map(|c| q[i * 64 + c].to_f64() * k[j * 64 + c].to_f64())
+                        .sum::<f64>()
+                        / 8.0
+                })
+                .collect();
+            let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for c in 0..64 {
+                let exact = (0..keys)
+                    .map(|j| weights[j] * v[j * 64 + c].to_f64())
+                    .sum::<f64>()
+                    / total;
+                let value = got[i * 64 + c] as f64;
+                assert!(value.is_finite(), "O[{i}][{c}] = {value}");
+                worst = worst.max((value - exact).abs());
+                largest = largest.max(exact.abs());
+            }
+        }
+        eprintln!(
+            "warpgroup attention, 64 rows over {keys} keys: largest error {worst:.3e} (largest value {largest:.3})"
+        );
+        // P enters the second product in bf16 (2^-9 relative each); a wrong row, column or
+        // layout is off by the size of the values.
+        assert!(
+            worst <= largest / 64.0,
+            "largest error {worst} of {largest}"
+        );
     }
 }
