@@ -204,6 +204,7 @@ fn time_row(
     let once = timed(device, 1, |_| step(true)).0;
     let batch = ((0.02 / once.as_secs_f64().max(1e-6)) as usize).clamp(1, 50);
     let mut issued = Vec::with_capacity(args.iters);
+    let launched = burn_flash::testing::forward_launch_time();
     let mut samples: Vec<_> = (0..args.iters)
         .map(|_| {
             let (both, issue) = timed(device, batch, |_| step(true));
@@ -217,11 +218,16 @@ fn time_row(
         })
         .collect();
     let ms = median_ms(&mut samples);
+    // burn-flash's own host work per timed call (planning, allocating, enqueueing; under
+    // Burn's fusion on the device's thread), 0 for the other implementations.
+    let launch = (burn_flash::testing::forward_launch_time() - launched).as_secs_f64() * 1e3
+        / (args.iters * batch) as f64;
     // Where a row's time goes: compiles and autotune in the first call, the rest timing; and
     // the host's time to issue a step, which bounds the row where it exceeds the device's.
     eprintln!(
         "  {}: first call {:.1} s, row {:.1} s; the host issued a step (a call, after its \
-         clear where clearing) in {:.4} ms; key/value views read in place so far: {}",
+         clear where clearing) in {:.4} ms, burn-flash's launches took {launch:.4} ms a call; \
+         key/value views read in place so far: {}",
         name(imp),
         first.as_secs_f64(),
         started.elapsed().as_secs_f64(),

@@ -1,7 +1,8 @@
 //! Hooks for tests; not part of the stable API.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
 static POISON: AtomicBool = AtomicBool::new(false);
 
@@ -200,6 +201,29 @@ pub fn wide_forward_launches() -> usize {
 /// Counts one 64-bit forward launch for [`wide_forward_launches`].
 pub(crate) fn record_wide_forward() {
     WIDE_FORWARDS.fetch_add(1, Ordering::Relaxed);
+}
+
+static FORWARD_LAUNCH_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// Host time this process's forward launches have taken, in all: planning, allocating the
+/// outputs, building the tensor maps and enqueueing the kernels (not the kernels' run), so a
+/// benchmark can tell it from the device's time where calls are short (decoding).
+///
+/// # Example
+///
+/// ```
+/// let before = burn_flash::testing::forward_launch_time();
+/// // ... attention forwards ...
+/// let spent = burn_flash::testing::forward_launch_time() - before;
+/// # assert!(spent.is_zero());
+/// ```
+pub fn forward_launch_time() -> Duration {
+    Duration::from_nanos(FORWARD_LAUNCH_NANOS.load(Ordering::Relaxed))
+}
+
+/// Adds one launch's host time to [`forward_launch_time`].
+pub(crate) fn record_forward_launch(spent: Duration) {
+    FORWARD_LAUNCH_NANOS.fetch_add(spent.as_nanos() as u64, Ordering::Relaxed);
 }
 
 static VIEWS_IN_PLACE: AtomicUsize = AtomicUsize::new(0);

@@ -133,9 +133,26 @@ enum Sequences {
     Packed(PackedRows),
 }
 
+/// [`enqueue`], its time counted in [`crate::testing::forward_launch_time`]: the host work of a
+/// forward (run by the device's thread under Burn's fusion), which bounds calls whose kernels
+/// take less.
+fn launch(
+    q: KernelTensor,
+    k: KernelTensor,
+    v: KernelTensor,
+    inputs: ScoreInputs,
+    sequences: Sequences,
+    params: ScoreParams,
+) -> (KernelTensor, KernelTensor) {
+    let started = std::time::Instant::now();
+    let outputs = enqueue(q, k, v, inputs, sequences, params);
+    crate::testing::record_forward_launch(started.elapsed());
+    outputs
+}
+
 /// Plan, allocate and enqueue one forward of inputs made ready by [`forward`] or
 /// [`forward_packed`].
-fn launch(
+fn enqueue(
     q: KernelTensor,
     k: KernelTensor,
     v: KernelTensor,
