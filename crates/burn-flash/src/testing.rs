@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 static POISON: AtomicBool = AtomicBool::new(false);
 
@@ -221,9 +221,21 @@ pub fn forward_launch_time() -> Duration {
     Duration::from_nanos(FORWARD_LAUNCH_NANOS.load(Ordering::Relaxed))
 }
 
-/// Adds one launch's host time to [`forward_launch_time`].
-pub(crate) fn record_forward_launch(spent: Duration) {
-    FORWARD_LAUNCH_NANOS.fetch_add(spent.as_nanos() as u64, Ordering::Relaxed);
+/// Adds the time from its start to its drop to [`forward_launch_time`]: one launch, whichever
+/// way it returns.
+pub(crate) struct ForwardLaunchTimer(Instant);
+
+impl ForwardLaunchTimer {
+    pub(crate) fn start() -> Self {
+        Self(Instant::now())
+    }
+}
+
+impl Drop for ForwardLaunchTimer {
+    fn drop(&mut self) {
+        let spent = self.0.elapsed().as_nanos() as u64;
+        FORWARD_LAUNCH_NANOS.fetch_add(spent, Ordering::Relaxed);
+    }
 }
 
 static VIEWS_IN_PLACE: AtomicUsize = AtomicUsize::new(0);

@@ -133,9 +133,9 @@ enum Sequences {
     Packed(PackedRows),
 }
 
-/// [`enqueue`], its time counted in [`crate::testing::forward_launch_time`]: the host work of a
-/// forward (run by the device's thread under Burn's fusion), which bounds calls whose kernels
-/// take less.
+/// Plan, allocate and enqueue one forward of inputs made ready by [`forward`] or
+/// [`forward_packed`]. Its host time counts in [`crate::testing::forward_launch_time`]: under
+/// Burn's fusion the device's thread runs it, and it bounds calls whose kernels take less.
 fn launch(
     q: KernelTensor,
     k: KernelTensor,
@@ -144,22 +144,7 @@ fn launch(
     sequences: Sequences,
     params: ScoreParams,
 ) -> (KernelTensor, KernelTensor) {
-    let started = std::time::Instant::now();
-    let outputs = enqueue(q, k, v, inputs, sequences, params);
-    crate::testing::record_forward_launch(started.elapsed());
-    outputs
-}
-
-/// Plan, allocate and enqueue one forward of inputs made ready by [`forward`] or
-/// [`forward_packed`].
-fn enqueue(
-    q: KernelTensor,
-    k: KernelTensor,
-    v: KernelTensor,
-    inputs: ScoreInputs,
-    sequences: Sequences,
-    params: ScoreParams,
-) -> (KernelTensor, KernelTensor) {
+    let _timer = crate::testing::ForwardLaunchTimer::start();
     let client = q.client.clone();
     let dims = q.meta.shape().clone();
     let (heads, head_dim, total_q) = (dims[1], dims[3], dims[2]);
