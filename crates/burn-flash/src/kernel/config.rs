@@ -232,6 +232,33 @@ impl Staged {
     }
 }
 
+/// The Hopper forward's blocks ([`warpgroup`](super::forward::warpgroup)): two warpgroups of 64
+/// query rows each (128-row query blocks), 128-key stages of K and V double-buffered by tensor
+/// maps, the 128-byte swizzle, panels of 64 columns.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub struct WarpgroupConfig {
+    /// Width of queries, keys and values (64 or 128).
+    pub head_dim: usize,
+    /// Keys right of a diagonal are hidden (causal, a window's right side).
+    pub causal: bool,
+    /// The inputs are bf16 (else f16).
+    pub bf16: bool,
+}
+
+impl WarpgroupConfig {
+    /// Query rows per cube: two warpgroups.
+    pub const BLOCK_Q: usize = 128;
+    /// Keys per stage: the first product's `n`, the second's reduced dim.
+    pub const BLOCK_KV: usize = 128;
+
+    /// Shared memory of one cube for 16-bit inputs: the query block and two stages of K and V,
+    /// each on a 1024-byte boundary (the swizzle's period), plus their barriers.
+    pub fn shared_bytes(&self) -> usize {
+        let rows = Self::BLOCK_Q + 4 * Self::BLOCK_KV;
+        rows * self.head_dim * 2 + 3 * TMA_ALIGN + 64
+    }
+}
+
 /// Which bounds hide keys around the diagonal (see [`mask`](super::mask)), and whether a boolean
 /// mask input hides some more; the offsets and the mask are runtime values.
 #[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]

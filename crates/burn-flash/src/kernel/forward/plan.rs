@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 use cubecl::ir::ElemType;
 
-use crate::kernel::config::{BiasAdd, ScoreParams, Staged, TileConfig, TilePath};
+use crate::kernel::config::{BiasAdd, ScoreParams, Staged, TileConfig, TilePath, WarpgroupConfig};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::batch_inner;
 use crate::kernel::tensors::{BF16, F32, InputFacts, ScoreFacts, U32};
@@ -50,6 +50,9 @@ pub struct ForwardPlan {
     /// Cubes each row block's keys are split across, their partial outputs merged after the
     /// launch (`cfg.kv_split` where more than 1).
     pub kv_splits: usize,
+    /// The Hopper forward on warpgroup products runs instead of `cfg`'s tile
+    /// ([`warpgroup`](super::warpgroup), [`warpgroup_blocks`]).
+    pub warpgroup: Option<WarpgroupConfig>,
 }
 
 /// Whether the fused forward can run inputs of this dtype and head dims on this device, and
@@ -123,6 +126,7 @@ impl ForwardPlan {
             cfg,
             pack_mask,
             kv_splits,
+            warpgroup: warpgroup_blocks(caps, &cfg, problem),
         })
     }
 }
@@ -130,6 +134,16 @@ impl ForwardPlan {
 impl fmt::Display for ForwardPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let cfg = &self.cfg;
+        if let Some(warpgroup) = &self.warpgroup {
+            return write!(
+                f,
+                "warpgroup tile (wgmma): {} queries × {}-key stages, two warpgroups, Q, K and V \
+                 by tensor maps{}",
+                WarpgroupConfig::BLOCK_Q,
+                WarpgroupConfig::BLOCK_KV,
+                if warpgroup.causal { ", causal" } else { "" }
+            );
+        }
         write!(
             f,
             "{:?} tile: {} queries × {}-key stages, {} planes",
@@ -167,6 +181,47 @@ impl fmt::Display for ForwardPlan {
         }
         Ok(())
     }
+}
+
+/// The Hopper forward's blocks ([`warpgroup`](super::warpgroup)) where this CUDA build is asked
+/// for it (`BURN_FLASH_WARPGROUP=1`: it is not yet measured ahead of the tensor-core tile, see
+/// `docs/hopper.md`) and can run the problem: the tensor-core tile with tensor maps (SM90; the
+/// products need SM90a, which SM100 lacks), head dim 64 or 128 for queries and values alike,
+/// plain or causal attention over whole batches of keys (no mask or bias input, window's left
+/// side, softcap, dropout, ALiBi, key lengths, pages, packed sequences or split keys).
+fn warpgroup_blocks(
+    caps: &DeviceCaps,
+    cfg: &TileConfig,
+    problem: &ForwardProblem,
+) -> Option<WarpgroupConfig> {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    let asked = *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP"));
+    let params = &problem.params;
+    let plain = !params.mask.left
+        && !params.mask.tensor
+        && !params.bias
+        && params.softcap.is_none()
+        && params.dropout.is_none()
+        && params.alibi_pow2.is_none();
+    let blocks = WarpgroupConfig {
+        head_dim: problem.head_dim,
+        causal: params.mask.right,
+        bf16: problem.dtype == BF16,
+    };
+    let runs = cfg!(feature = "cuda")
+        && asked == Some(true)
+        && caps.tma
+        && cfg.tile == TilePath::TensorCore
+        && matches!(problem.head_dim, 64 | 128)
+        && problem.value_dim == problem.head_dim
+        && plain
+        && !problem.key_lengths
+        && problem.page_size.is_none()
+        && !problem.varlen
+        && problem.kv_tma_aligned
+        && !cfg.kv_split.0
+        && caps.fits_shared("forward", blocks.shared_bytes()).is_ok();
+    runs.then_some(blocks)
 }
 
 /// The block shapes of a forward launch on `tile`.

@@ -6,6 +6,8 @@ use cubecl::prelude::*;
 use super::kernel::flash_forward;
 use super::plan::{ForwardPlan, ForwardProblem};
 use crate::kernel::config::TilePath;
+#[cfg(feature = "cuda")]
+use crate::kernel::config::WarpgroupConfig;
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::{cube_count, cube_dim};
 use crate::kernel::sources::base::{Placeholder, PlannedKernel, Problem, Target};
@@ -50,6 +52,42 @@ pub fn forward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>,
             kv_tma_aligned: k.tma_aligned() && v.tma_aligned(),
         },
     )?;
+    #[cfg(feature = "cuda")]
+    if let Some(warpgroup) = plan.warpgroup {
+        use super::warpgroup::{UNITS, cube_count, tensor_map, warpgroup_forward};
+        let rows = |rows: usize| [&q, &k, &v].map(|t| tensor_map(t.arg(), dtype, rows));
+        let ([q_map, ..], [_, k_map, v_map]) = (
+            rows(WarpgroupConfig::BLOCK_Q),
+            rows(WarpgroupConfig::BLOCK_KV),
+        );
+        let (count, dim) = (cube_count(batch, heads, seq), CubeDim::new_1d(UNITS));
+        return Ok(vec![PlannedKernel::of(
+            "warpgroup_forward",
+            &plan,
+            &warpgroup,
+            count.clone(),
+            dim,
+            warpgroup_forward::create_dummy_kernel(
+                target.device.clone(),
+                target.target.clone(),
+                count,
+                dim,
+                head_dim / 2,
+                q_map,
+                k_map,
+                v_map,
+                out.arg(),
+                lse.arg(),
+                seq as u32,
+                1,
+                params.scale,
+                0,
+                f32::NEG_INFINITY,
+                warpgroup,
+                dtype,
+            ),
+        )]);
+    }
     let cfg = plan.cfg;
     let cube_dim = cube_dim(&cfg);
     let cube_count = cube_count(&cfg, seq, heads, batch, 1);

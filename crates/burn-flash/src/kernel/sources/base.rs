@@ -1,7 +1,7 @@
 //! What the fused kernels' creation without a client shares: the device they are created for,
 //! the problem, the kernel with its launch's grid, and placeholder tensors.
 
-use std::fmt::Display;
+use std::fmt::{Debug, Display};
 use std::sync::Arc;
 
 use cubecl::prelude::*;
@@ -81,14 +81,29 @@ impl PlannedKernel {
         kernel: impl CubeKernel,
     ) -> Self {
         Self {
-            name,
             part: match cfg.tail {
                 TailPart::All => None,
                 TailPart::Whole => Some("whole"),
                 TailPart::Pieces => Some("pieces"),
             },
+            ..Self::of(name, plan, cfg, cube_count, cube_dim, kernel)
+        }
+    }
+
+    /// [`new`](Self::new) for a kernel of another configuration type, whose grid is whole.
+    pub(crate) fn of(
+        name: &'static str,
+        plan: &impl Display,
+        config: &impl Debug,
+        cube_count: CubeCount,
+        cube_dim: CubeDim,
+        kernel: impl CubeKernel,
+    ) -> Self {
+        Self {
+            name,
+            part: None,
             plan: plan.to_string(),
-            config: format!("{cfg:#?}"),
+            config: format!("{config:#?}"),
             cube_count,
             cube_dim,
             kernel: Box::new(Unchecked(kernel)),

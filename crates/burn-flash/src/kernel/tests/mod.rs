@@ -4,6 +4,8 @@
 
 mod backward;
 mod forward;
+#[cfg(feature = "cuda")]
+mod hopper;
 mod inputs;
 
 use cubecl::Device;

@@ -1,13 +1,13 @@
 //! Tile level: the two matrix products of attention on one unit's registers. The algorithm
 //! (`forward`, `softmax`, `mask`) is written once against [`AttentionTile`]; the tensor-core tile
-//! runs on CUDA, the portable tile on any CubeCL runtime.
+//! runs on CUDA, the portable tile on any CubeCL runtime. [`wgmma`] holds Hopper's warpgroup
+//! products, which the warpgroup forward issues directly.
 
 mod base;
 mod mma;
 mod portable;
-// The Hopper tile's instruction, checked on its own until the tile uses it.
-#[cfg(all(test, feature = "cuda"))]
-mod wgmma;
+#[cfg(feature = "cuda")]
+pub mod wgmma;
 
 pub use base::AttentionTile;
 pub use mma::MmaTile;

@@ -1,0 +1,523 @@
+//! The forward on Hopper's warpgroup products (SM90a): FlashAttention's loop with both products
+//! issued by a warpgroup of 128 units as `wgmma` ([`wgmma`](crate::kernel::tile::wgmma)), the
+//! scores read from shared memory tiles the copy engine fills (tensor maps, 128-byte swizzle),
+//! the probabilities fed to the second product from the registers the first left them in.
+//!
+//! A cube owns 128 query rows, 64 per warpgroup, and walks blocks of 128 keys double-buffered:
+//! one unit issues block `j + 1`'s copies as block `j`'s products start. Each warpgroup runs
+//! `S = Q·Kᵀ`, the online softmax on the accumulators (a row's four lanes combined by
+//! shuffles), then `O += P·V`; the two warpgroups of a cube fill each other's waits on the
+//! tensor cores. Plain and causal attention (any diagonal offset), head dims 64 and 128, 16-bit
+//! inputs; every other feature takes the tensor-core tile.
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use cubecl::zspace::Shape;
+
+use crate::kernel::config::{ScoreParams, TilePath, WarpgroupConfig};
+use crate::kernel::softmax::exp2;
+use crate::kernel::tensors::KernelTensor;
+use crate::kernel::tile::wgmma::{
+    descriptor, descriptor_across_rows, position, product, product_pv, wait_products,
+};
+
+/// Units per cube: two warpgroups.
+pub(crate) const UNITS: u32 = 256;
+
+/// Score accumulators a unit holds: 64 rows × [`WarpgroupConfig::BLOCK_KV`] keys.
+type Scores = Vector<f32, Const<64>>;
+/// The probabilities' registers of a unit for one block of 128 keys (8 k-steps of 4).
+type Probabilities = Vector<u32, Const<32>>;
+
+/// Enqueue the forward of contiguous `q: [b, h, sq, d]` and `k`, `v: [b, hkv, sk, d]` (rows
+/// readable by tensor maps) into `out: [b, h, sq, d]` and `lse: [b, h, sq]`, as `cfg` plans it
+/// ([`ForwardPlan::warpgroup`](super::plan::ForwardPlan::warpgroup)).
+pub(crate) fn launch(
+    q: &KernelTensor,
+    k: &KernelTensor,
+    v: &KernelTensor,
+    out: &KernelTensor,
+    lse: &KernelTensor,
+    params: &ScoreParams,
+    cfg: WarpgroupConfig,
+) {
+    let dims = q.meta.shape();
+    let (batch, heads, seq_q) = (dims[0], dims[1], dims[2]);
+    let (kv_heads, seq_k) = (k.meta.shape()[1], k.meta.shape()[2]);
+    // Query i's diagonal is key i + shift: bottom-right unless the options align it top-left.
+    let shift = if params.mask.top_left.0 {
+        0
+    } else {
+        seq_k as i64 - seq_q as i64
+    };
+    let bound = i32::try_from(shift + i64::from(params.right)).expect("sequences under 2^31");
+    let map =
+        |t: &KernelTensor, rows: usize| tensor_map(t.clone().into_tensor_arg(), t.dtype, rows);
+    let cube_count = cube_count(batch, heads, seq_q);
+    let cube_dim = CubeDim::new_1d(UNITS);
+    assert!(
+        matches!(cfg.head_dim, 64 | 128),
+        "the plan takes the warpgroup forward at head dims 64 and 128, not {}",
+        cfg.head_dim
+    );
+    // SAFETY: the tensor maps bound every read (rows past a sequence arrive as zeros); the
+    // kernel writes only rows below `seq_q` of `out` and `lse`, whose shapes the caller
+    // allocated from `q`'s, and the caller checked their indices fit 32 bits.
+    unsafe {
+        warpgroup_forward::launch_unchecked(
+            &q.client,
+            cube_count,
+            cube_dim,
+            // The value accumulators a unit holds: half the head dim.
+            cfg.head_dim / 2,
+            map(q, WarpgroupConfig::BLOCK_Q),
+            map(k, WarpgroupConfig::BLOCK_KV),
+            map(v, WarpgroupConfig::BLOCK_KV),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            seq_k as u32,
+            (heads / kv_heads) as u32,
+            params.scale * core::f32::consts::LOG2_E,
+            bound,
+            f32::NEG_INFINITY,
+            cfg,
+            q.dtype,
+        )
+    }
+}
+
+/// The tensor map the kernel reads a `[b, h, seq, d]` operand of `dtype` by: boxes of `rows`
+/// rows × 64 columns (a panel), 128-byte swizzle.
+pub(crate) fn tensor_map(tensor: TensorArg, dtype: ElemType, rows: usize) -> TensorMapArg<Tiled> {
+    let boxed = Shape::new([1, 1, rows, 64]);
+    TensorMapArg::new(TiledArgs::new(boxed), tensor, dtype).with_swizzle(TensorMapSwizzle::B128)
+}
+
+/// The grid: one cube per (query block, head, batch).
+pub(crate) fn cube_count(batch: usize, heads: usize, seq_q: usize) -> CubeCount {
+    CubeCount::Static(
+        seq_q.div_ceil(WarpgroupConfig::BLOCK_Q) as u32,
+        heads as u32,
+        batch as u32,
+    )
+}
+
+/// The forward of one 128-row query block of one (batch, head): `q_map`, `k_map`, `v_map` are
+/// tensor maps of `[b, h, sq, d]` queries and `[b, hkv, sk, d]` keys and values (boxes of 128
+/// rows × 64 columns, 128-byte swizzle); `out` is `[b, h, sq, d]`, `lse` `[b, h, sq]` (natural
+/// log, `-inf` where a row sees no key). Key `j` is visible to query `i` where `j < seq_k` and,
+/// with `cfg.causal`, `j <= i + bound`. `O` is the value accumulators' vector (`d / 2`).
+// The cube's built-ins are placeholder constants on the host side, where rustc would evaluate
+// the grid's reversal; in the kernel `CUBE_POS_X < CUBE_COUNT_X`.
+#[allow(arithmetic_overflow)]
+#[cube(launch_unchecked, create_dummy_kernel)]
+#[allow(clippy::too_many_arguments)]
+pub fn warpgroup_forward<E: Float, O: Size>(
+    q_map: &TensorMap<E, Tiled>,
+    k_map: &TensorMap<E, Tiled>,
+    v_map: &TensorMap<E, Tiled>,
+    out: &mut Tensor<E>,
+    lse: &mut Tensor<f32>,
+    seq_k: u32,
+    group: u32,
+    scale: f32,
+    bound: i32,
+    neg_inf: f32,
+    #[comptime] cfg: WarpgroupConfig,
+    #[define(E)] _dtype: ElemType,
+) {
+    let block_q = comptime!(WarpgroupConfig::BLOCK_Q);
+    let block_kv = comptime!(WarpgroupConfig::BLOCK_KV);
+    let d = comptime!(cfg.head_dim);
+    // Causal: the grid runs backwards, so the longest row blocks start first.
+    let x = if comptime!(cfg.causal) {
+        CUBE_COUNT_X - 1 - CUBE_POS_X
+    } else {
+        CUBE_POS_X
+    };
+    let (batch, head) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
+    let kv_head = head / group as usize;
+    let q_start = x as usize * block_q;
+    let seq_q = out.shape(2);
+    let seq_k = seq_k as usize;
+    let end = key_blocks_end(q_start, seq_k, bound, cfg);
+
+    let mut queries = Shared::<[E]>::new_aligned_slice(comptime!(block_q * d), 1024usize);
+    let mut keys = Shared::<[E]>::new_aligned_slice(comptime!(2 * block_kv * d), 1024usize);
+    let mut values = Shared::<[E]>::new_aligned_slice(comptime!(2 * block_kv * d), 1024usize);
+    let queries_ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let first_stage = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let second_stage = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    // The copy engine completes on the barriers: their initialisation must be visible to it.
+    sync_async_proxy_shared();
+    sync_cube();
+    if UNIT_POS == 0 {
+        queries_ready.expect_tx(comptime!((block_q * d * 2) as u32));
+        load_panels::<E>(
+            &queries_ready,
+            q_map,
+            &mut queries,
+            0,
+            batch,
+            head,
+            q_start,
+            block_q,
+            d,
+        );
+        if end > 0 {
+            fetch_block::<E>(
+                &first_stage,
+                k_map,
+                v_map,
+                &mut keys,
+                &mut values,
+                0,
+                batch,
+                kv_head,
+                0,
+                cfg,
+            );
+        }
+    }
+
+    let unit = UNIT_POS as usize % 128;
+    let warpgroup = UNIT_POS as usize / 128;
+    // This unit's two rows of the warpgroup's 64: `16 w + lane / 4` and 8 below.
+    let row = q_start + warpgroup * 64 + position(unit, 0usize).0;
+    let rows_start = q_start + warpgroup * 64;
+    // Descriptors in 16-byte units: the warpgroup's 64 rows of the query block's panels, and
+    // each stage's first key row.
+    let query_desc =
+        descriptor::<E>(&queries) + comptime!((64 * 64 * 2 / 16) as u64) * warpgroup as u64;
+    let keys_desc = descriptor::<E>(&keys);
+    let values_desc = descriptor_across_rows::<E>(&values, comptime!((block_kv * 128) as u64));
+    let stage_units = comptime!((block_kv * d * 2 / 16) as u64);
+
+    let mut o = Vector::<f32, O>::new(0.0);
+    let mut row_max = Array::<f32>::new(2usize);
+    let mut row_sum = Array::<f32>::new(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        row_max[h] = neg_inf;
+        row_sum[h] = 0.0;
+    }
+    queries_ready.arrive_and_wait();
+
+    for block in 0..end {
+        let stage = block % 2;
+        // Every unit arriving also proves that all are done with the other stage's block.
+        if stage == 0 {
+            first_stage.arrive_and_wait();
+        } else {
+            second_stage.arrive_and_wait();
+        }
+        if UNIT_POS == 0 && block + 1 < end {
+            if stage == 0 {
+                fetch_block::<E>(
+                    &second_stage,
+                    k_map,
+                    v_map,
+                    &mut keys,
+                    &mut values,
+                    1,
+                    batch,
+                    kv_head,
+                    block + 1,
+                    cfg,
+                );
+            } else {
+                fetch_block::<E>(
+                    &first_stage,
+                    k_map,
+                    v_map,
+                    &mut keys,
+                    &mut values,
+                    0,
+                    batch,
+                    kv_head,
+                    block + 1,
+                    cfg,
+                );
+            }
+        }
+        let stage_offset = stage_units * stage as u64;
+        let s = product::<Const<64>>(
+            query_desc,
+            keys_desc + stage_offset,
+            block_q,
+            block_kv,
+            d,
+            cfg.bf16,
+        );
+        wait_products();
+        let key_start = block * block_kv;
+        // Only the blocks that cross the sequence's end or a diagonal of the warpgroup's rows
+        // test each score.
+        let crosses_end = key_start + block_kv > seq_k;
+        let crosses_diagonal =
+            comptime!(cfg.causal) && (key_start + block_kv - 1) as i32 > rows_start as i32 + bound;
+        let s = if crosses_end || crosses_diagonal {
+            masked_scores(s, key_start, row, seq_k, bound, scale, neg_inf, cfg)
+        } else {
+            scaled_scores(s, scale)
+        };
+        let p = online_softmax::<E, O>(&s, &mut o, &mut row_max, &mut row_sum, neg_inf);
+        o = product_pv::<O, Const<32>>(o, p, values_desc + stage_offset, block_kv, d, cfg.bf16);
+        wait_products();
+    }
+
+    write_rows::<E, O>(
+        &o, &row_max, &row_sum, out, lse, batch, head, row, seq_q, neg_inf,
+    );
+}
+
+/// The key blocks the query block `[q_start, q_start + BLOCK_Q)` sees: up to the sequence's end
+/// and, causal, to its last row's diagonal (none where that lies before the first key).
+#[cube]
+fn key_blocks_end(
+    q_start: usize,
+    seq_k: usize,
+    bound: i32,
+    #[comptime] cfg: WarpgroupConfig,
+) -> usize {
+    let block_kv = comptime!(WarpgroupConfig::BLOCK_KV);
+    let all = seq_k.div_ceil(block_kv);
+    if comptime!(cfg.causal) {
+        let last_key = (q_start + WarpgroupConfig::BLOCK_Q - 1) as i32 + bound;
+        if last_key < 0 {
+            0usize
+        } else {
+            min(all, last_key as usize / block_kv + 1)
+        }
+    } else {
+        all
+    }
+}
+
+/// Copy `rows` rows of (batch, head) from `row` of `map`, `d` columns as panels of 64 (one box
+/// each, `rows` × 128 bytes), into `stages` from `start`, completing on `barrier`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_panels<E: Float>(
+    barrier: &Barrier,
+    map: &TensorMap<E, Tiled>,
+    stages: &mut Shared<[E]>,
+    start: usize,
+    batch: usize,
+    head: usize,
+    row: usize,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+) {
+    let panel = comptime!(rows * 64);
+    #[unroll]
+    for p in 0..comptime!(d / 64) {
+        let at = start + comptime!(p * panel);
+        barrier.tma_load_4d(
+            map,
+            stages.slice_mut(at, at + panel),
+            batch as i32,
+            head as i32,
+            row as i32,
+            comptime!(p * 64) as i32,
+        );
+    }
+}
+
+/// Issue key block `block`'s keys and values into stage `stage`, completing on `barrier` (its
+/// bytes expected before the copies, so it cannot complete without them). Rows past the
+/// sequence arrive as zeros.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fetch_block<E: Float>(
+    barrier: &Barrier,
+    k_map: &TensorMap<E, Tiled>,
+    v_map: &TensorMap<E, Tiled>,
+    keys: &mut Shared<[E]>,
+    values: &mut Shared<[E]>,
+    stage: usize,
+    batch: usize,
+    kv_head: usize,
+    block: usize,
+    #[comptime] cfg: WarpgroupConfig,
+) {
+    let block_kv = comptime!(WarpgroupConfig::BLOCK_KV);
+    let stage_len = comptime!(block_kv * cfg.head_dim);
+    barrier.expect_tx(comptime!((2 * stage_len * 2) as u32));
+    let (start, row) = (stage * stage_len, block * block_kv);
+    load_panels::<E>(
+        barrier,
+        k_map,
+        keys,
+        start,
+        batch,
+        kv_head,
+        row,
+        block_kv,
+        cfg.head_dim,
+    );
+    load_panels::<E>(
+        barrier,
+        v_map,
+        values,
+        start,
+        batch,
+        kv_head,
+        row,
+        block_kv,
+        cfg.head_dim,
+    );
+}
+
+/// The scores times `scale` (the softmax scale times log2 e), every key visible.
+#[cube]
+fn scaled_scores(s: Scores, scale: f32) -> Scores {
+    let mut t = s;
+    #[unroll]
+    for nth in 0..64usize {
+        t.insert(nth, s.extract(nth) * scale);
+    }
+    t
+}
+
+/// [`scaled_scores`] with the keys past `seq_k` and, causal, right of each row's diagonal at
+/// `-inf`: key `key_start + col` of row `row` (+ 8 for the accumulators of the lower half).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn masked_scores(
+    s: Scores,
+    key_start: usize,
+    row: usize,
+    seq_k: usize,
+    bound: i32,
+    scale: f32,
+    neg_inf: f32,
+    #[comptime] cfg: WarpgroupConfig,
+) -> Scores {
+    let unit = UNIT_POS as usize % 128;
+    let mut t = s;
+    #[unroll]
+    for nth in 0..64usize {
+        let (_, col) = position(unit, nth);
+        let key = key_start + col;
+        let query = row + comptime!((nth % 4) / 2 * 8);
+        let mut visible = key < seq_k;
+        if comptime!(cfg.causal) {
+            visible = visible && key as i32 <= query as i32 + bound;
+        }
+        t.insert(nth, select(visible, s.extract(nth) * scale, neg_inf));
+    }
+    t
+}
+
+/// The online softmax of one block's scaled scores `t` (base 2): each row's max and sum moved
+/// on, `o` rescaled, and the probabilities returned as the registers of `O += P·V`
+/// (accumulators `2f` and `2f + 1` are register `f`: same row, adjacent keys). A row that has
+/// seen no key yet keeps a max of `-inf` and probabilities of 0.
+#[cube]
+fn online_softmax<E: Float, O: Size>(
+    t: &Scores,
+    o: &mut Vector<f32, O>,
+    row_max: &mut Array<f32>,
+    row_sum: &mut Array<f32>,
+    neg_inf: f32,
+) -> Probabilities {
+    let mut shift = Array::<f32>::new(2usize);
+    let mut alpha = Array::<f32>::new(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        let mut m = row_max[h];
+        #[unroll]
+        for nth in 0..64usize {
+            if comptime!((nth % 4) / 2 == h) {
+                m = max(m, t.extract(nth));
+            }
+        }
+        m = max(m, plane_shuffle_xor(m, 1));
+        m = max(m, plane_shuffle_xor(m, 2));
+        // Subtracting -inf would give NaN: a row without keys subtracts 0.
+        shift[h] = select(m == neg_inf, 0.0f32, m);
+        alpha[h] = exp2(row_max[h] - shift[h], TilePath::TensorCore);
+        row_max[h] = m;
+        row_sum[h] *= alpha[h];
+    }
+    let mut p = Probabilities::empty();
+    #[unroll]
+    for f in 0..32usize {
+        let h = comptime!(f % 2);
+        let p0 = exp2(t.extract(comptime!(2 * f)) - shift[h], TilePath::TensorCore);
+        let p1 = exp2(
+            t.extract(comptime!(2 * f + 1)) - shift[h],
+            TilePath::TensorCore,
+        );
+        row_sum[h] += p0 + p1;
+        let mut pair = Vector::<E, Const<2>>::empty();
+        pair.insert(0usize, E::cast_from(p0));
+        pair.insert(1usize, E::cast_from(p1));
+        p.insert(f, u32::reinterpret(pair));
+    }
+    #[unroll]
+    for nth in 0..O::value() {
+        let h = comptime!((nth % 4) / 2);
+        o.insert(nth, o.extract(nth) * alpha[h]);
+    }
+    p
+}
+
+/// The unit's output values (`o` over each row's sum, 0 where the row saw no key) and, from
+/// one lane of each row's four, its log-sum-exp (natural log), rows past `seq_q` left.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_rows<E: Float, O: Size>(
+    o: &Vector<f32, O>,
+    row_max: &Array<f32>,
+    row_sum: &Array<f32>,
+    out: &mut Tensor<E>,
+    lse: &mut Tensor<f32>,
+    batch: usize,
+    head: usize,
+    row: usize,
+    seq_q: usize,
+    neg_inf: f32,
+) {
+    let unit = UNIT_POS as usize % 128;
+    let mut inverse = Array::<f32>::new(2usize);
+    let mut row_lse = Array::<f32>::new(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        let part = row_sum[h];
+        let pair = part + plane_shuffle_xor(part, 1);
+        let sum = pair + plane_shuffle_xor(pair, 2);
+        let seen = sum > 0.0;
+        inverse[h] = select(seen, 1.0f32 / sum, 0.0f32);
+        row_lse[h] = select(
+            seen,
+            row_max[h] * core::f32::consts::LN_2 + sum.ln(),
+            neg_inf,
+        );
+    }
+    let out_base = batch * out.stride(0) + head * out.stride(1);
+    let out_row = out.stride(2);
+    #[unroll]
+    for nth in 0..O::value() {
+        let h = comptime!((nth % 4) / 2);
+        let (_, col) = position(unit, nth);
+        let query = row + comptime!(h * 8);
+        if query < seq_q {
+            out[out_base + query * out_row + col] = E::cast_from(o.extract(nth) * inverse[h]);
+        }
+    }
+    // The unit holding the rows' first column.
+    if position(unit, 0usize).1 == 0 {
+        let lse_base = batch * lse.stride(0) + head * lse.stride(1);
+        let lse_row = lse.stride(2);
+        #[unroll]
+        for h in 0..2usize {
+            let query = row + h * 8;
+            if query < seq_q {
+                lse[lse_base + query * lse_row] = row_lse[h];
+            }
+        }
+    }
+}

@@ -1,0 +1,466 @@
+//! Hopper's warpgroup products ([`wgmma`](crate::kernel::tile::wgmma)) and the forward on them
+//! ([`warpgroup`](crate::kernel::forward::warpgroup)) on the GPU, against f64 references: each
+//! product on its own, one query block's attention on them, and the forward's launch on ragged
+//! shapes. They skip without an SM90 device.
+
+use cubecl::prelude::*;
+
+use super::{Case, Inputs, Rng, assert_close};
+use crate::kernel::ScoreParams;
+use crate::kernel::config::WarpgroupConfig;
+use crate::kernel::device::DeviceCaps;
+use crate::kernel::forward::warpgroup::launch;
+use crate::kernel::tensors::{BF16, F32, KernelTensor, output};
+use crate::kernel::tile::wgmma::{
+    descriptor, descriptor_across_rows, fragment_position, position, product, product_pv, swizzled,
+    wait_products,
+};
+use crate::{CausalAlignment, FlashAttentionOptions};
+
+/// The 32 f32 accumulators one unit of a warpgroup holds of a 64 × 64 tile.
+type Accumulators = Vector<f32, Const<32>>;
+/// Registers of A a unit holds for [`product_pv`] over 64 keys: four 32-bit registers (two
+/// 16-bit values each) per k-step of 16, four k-steps.
+type Fragment = Vector<u32, Const<16>>;
+/// A 64 × 64 tile of 16-bit values, one panel.
+const PANEL_BYTES: u64 = 64 * 128;
+
+/// One warpgroup: A and B (64 × 64, rows of the reduced dim) staged swizzled, their
+/// product by four k-steps, the accumulators written out by [`position`].
+#[cube(launch_unchecked)]
+fn product_probe<E: Float>(
+    a: &Tensor<E>,
+    b: &Tensor<E>,
+    out: &mut Tensor<f32>,
+    #[define(E)] _dtype: ElemType,
+) {
+    let mut a_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
+    let mut b_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
+    #[unroll]
+    for i in 0..32usize {
+        let at = UNIT_POS as usize * 32 + i;
+        let (row, col) = (at / 64, at % 64);
+        a_tile[swizzled(row, col)] = a[at];
+        b_tile[swizzled(row, col)] = b[at];
+    }
+    // The products read shared memory through the async proxy.
+    sync_async_proxy_shared();
+    sync_cube();
+    let (a, b) = (descriptor::<E>(&a_tile), descriptor::<E>(&b_tile));
+    let d = product::<Const<32>>(a, b, 64usize, 64usize, 64usize, true);
+    wait_products();
+    #[unroll]
+    for nth in 0..32usize {
+        let (row, col) = position(UNIT_POS as usize, nth);
+        out[row * 64 + col] = d.extract(nth);
+    }
+}
+
+/// One warpgroup: `O + P · V` with O and P (64 × 64) from global memory into the
+/// accumulators and the fragment, V (64 keys × 64 values) staged swizzled.
+#[cube(launch_unchecked)]
+fn product_pv_probe<E: Float>(
+    o: &Tensor<f32>,
+    p: &Tensor<E>,
+    v: &Tensor<E>,
+    out: &mut Tensor<f32>,
+    #[define(E)] _dtype: ElemType,
+) {
+    let mut v_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
+    #[unroll]
+    for i in 0..32usize {
+        let at = UNIT_POS as usize * 32 + i;
+        v_tile[swizzled(at / 64, at % 64)] = v[at];
+    }
+    let mut acc = Accumulators::empty();
+    #[unroll]
+    for nth in 0..32usize {
+        let (row, col) = position(UNIT_POS as usize, nth);
+        acc.insert(nth, o[row * 64 + col]);
+    }
+    let mut fragment = Fragment::empty();
+    #[unroll]
+    for nth in 0..16usize {
+        let (row, col) = fragment_position(UNIT_POS as usize, nth);
+        let mut pair = Vector::<E, Const<2>>::empty();
+        pair.insert(0usize, p[row * 64 + col]);
+        pair.insert(1usize, p[row * 64 + col + 1]);
+        fragment.insert(nth, u32::reinterpret(pair));
+    }
+    sync_async_proxy_shared();
+    sync_cube();
+    let v = descriptor_across_rows::<E>(&v_tile, PANEL_BYTES);
+    let d = product_pv::<Const<32>, Const<16>>(acc, fragment, v, 64usize, 64usize, true);
+    wait_products();
+    #[unroll]
+    for nth in 0..32usize {
+        let (row, col) = position(UNIT_POS as usize, nth);
+        out[row * 64 + col] = d.extract(nth);
+    }
+}
+
+/// One query block's attention over `k.shape(0) / 64` key blocks with the two products:
+/// `S = Q · Kᵀ`, the online softmax on its accumulators (each row's four lanes combined by
+/// shuffles), `P` packed from them into the registers of `O + P · V`. Head dim 64, scale
+/// 1/8, every key seen; blocks staged by the units, one at a time.
+#[cube(launch_unchecked)]
+fn attention_probe<E: Float>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out: &mut Tensor<f32>,
+    #[define(E)] _dtype: ElemType,
+) {
+    let unit = UNIT_POS as usize;
+    let mut q_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
+    let mut k_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
+    let mut v_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
+    #[unroll]
+    for i in 0..32usize {
+        let at = unit * 32 + i;
+        q_tile[swizzled(at / 64, at % 64)] = q[at];
+    }
+    let scale = 0.125f32;
+    let mut o = Accumulators::new(0.0);
+    // Each unit's two rows (`16 w + lane / 4` and 8 below): running max and its part of
+    // the row sum.
+    let mut row_max = Array::<f32>::new(2usize);
+    let mut row_sum = Array::<f32>::new(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        // Below any score: the first block's rescale factor is exp(-huge) = 0.
+        row_max[h] = -1.0e30f32;
+        row_sum[h] = 0.0;
+    }
+    for block in 0..k.shape(0) / 64 {
+        // Every unit waited for the last products: the tiles may be refilled.
+        sync_cube();
+        #[unroll]
+        for i in 0..32usize {
+            let at = unit * 32 + i;
+            let from = (block * 64 + at / 64) * 64 + at % 64;
+            k_tile[swizzled(at / 64, at % 64)] = k[from];
+            v_tile[swizzled(at / 64, at % 64)] = v[from];
+        }
+        sync_async_proxy_shared();
+        sync_cube();
+        let (dq, dk) = (descriptor::<E>(&q_tile), descriptor::<E>(&k_tile));
+        let s = product::<Const<32>>(dq, dk, 64usize, 64usize, 64usize, true);
+        wait_products();
+        let mut alpha = Array::<f32>::new(2usize);
+        #[unroll]
+        for h in 0..2usize {
+            let mut m = row_max[h];
+            #[unroll]
+            for nth in 0..32usize {
+                if comptime!((nth % 4) / 2 == h) {
+                    m = max(m, s.extract(nth) * scale);
+                }
+            }
+            m = max(m, plane_shuffle_xor(m, 1));
+            m = max(m, plane_shuffle_xor(m, 2));
+            alpha[h] = (row_max[h] - m).exp();
+            row_max[h] = m;
+            row_sum[h] *= alpha[h];
+        }
+        // Accumulators 2f and 2f + 1 are register f of P's fragment (same row, adjacent
+        // columns; see `fragment_position`).
+        let mut fragment = Fragment::empty();
+        #[unroll]
+        for f in 0..16usize {
+            let h = comptime!(f % 2);
+            let p0 = (s.extract(comptime!(2 * f)) * scale - row_max[h]).exp();
+            let p1 = (s.extract(comptime!(2 * f + 1)) * scale - row_max[h]).exp();
+            row_sum[h] += p0 + p1;
+            let mut pair = Vector::<E, Const<2>>::empty();
+            pair.insert(0usize, E::cast_from(p0));
+            pair.insert(1usize, E::cast_from(p1));
+            fragment.insert(f, u32::reinterpret(pair));
+        }
+        #[unroll]
+        for nth in 0..32usize {
+            let h = comptime!((nth % 4) / 2);
+            o.insert(nth, o.extract(nth) * alpha[h]);
+        }
+        let dv = descriptor_across_rows::<E>(&v_tile, PANEL_BYTES);
+        o = product_pv::<Const<32>, Const<16>>(o, fragment, dv, 64usize, 64usize, true);
+        wait_products();
+    }
+    #[unroll]
+    for h in 0..2usize {
+        let part = row_sum[h];
+        let pair = part + plane_shuffle_xor(part, 1);
+        row_sum[h] = pair + plane_shuffle_xor(pair, 2);
+    }
+    #[unroll]
+    for nth in 0..32usize {
+        let (row, col) = position(unit, nth);
+        out[row * 64 + col] = o.extract(nth) / row_sum[comptime!((nth % 4) / 2)];
+    }
+}
+
+/// The first CUDA device with tensor maps (SM90 and newer), or `None` after a printed
+/// reason; panics instead where `BURN_FLASH_REQUIRE_CUDA` is set.
+fn hopper_or_skip(test: &str) -> Option<Client> {
+    let client = cubecl::Device::enumerate_all()
+        .into_iter()
+        .find(|d| matches!(d, cubecl::Device::Cuda(_)))
+        .map(|device| device.client());
+    let reason = match &client {
+        None => "no CUDA device",
+        Some(client) if !DeviceCaps::of(client, BF16).tma => "a CUDA device before SM90",
+        Some(_) => return client,
+    };
+    assert!(
+        std::env::var_os("BURN_FLASH_REQUIRE_CUDA").is_none(),
+        "{test}: BURN_FLASH_REQUIRE_CUDA is set: {reason}"
+    );
+    eprintln!("{test}: skipping: {reason}");
+    None
+}
+
+fn bf16s(rng: &mut Rng) -> Vec<half::bf16> {
+    rng.normals(64 * 64)
+        .into_iter()
+        .map(half::bf16::from_f32)
+        .collect()
+}
+
+/// `got` (64 × 64, f32) against `base + Σ terms` in f64 at each `(i, j)`: f32 accumulation
+/// of exact bf16 products is within 64 f32 roundings of the sum of the magnitudes; a wrong
+/// row, column, swizzle or descriptor is off by O(1).
+fn check_product(label: &str, got: &[f32], expected: impl Fn(usize, usize) -> (f64, Vec<f64>)) {
+    let mut worst = 0f64;
+    for (i, row) in got.chunks(64).enumerate() {
+        for (j, &value) in row.iter().enumerate() {
+            let (base, terms) = expected(i, j);
+            let exact = base + terms.iter().sum::<f64>();
+            let magnitude = base.abs() + terms.iter().map(|t| t.abs()).sum::<f64>();
+            let bound = magnitude * 64.0 * f32::EPSILON as f64;
+            let error = (value as f64 - exact).abs();
+            assert!(
+                error.is_finite() && error <= bound,
+                "{label}: [{i}][{j}] = {value}, expected {exact} (bound {bound})"
+            );
+            worst = worst.max(error);
+        }
+    }
+    eprintln!("{label}, 64x64x64 bf16: largest error {worst:.3e}");
+}
+
+#[test]
+fn warpgroup_product_matches_the_reference_cuda() {
+    let Some(client) = hopper_or_skip("warpgroup_product_matches_the_reference_cuda") else {
+        return;
+    };
+    let mut rng = Rng::new(50);
+    let (a, b) = (bf16s(&mut rng), bf16s(&mut rng));
+    let out = KernelTensor::from_f32(&client, &[f32::NAN; 64 * 64], [64, 64]);
+    let [a_dev, b_dev] = [&a, &b].map(|v| KernelTensor::from_values(&client, v, [64, 64]));
+    // SAFETY: one cube of 128 units, each reading its 32 of the 4096 inputs and writing its
+    // 32 of the 4096 outputs.
+    unsafe {
+        product_probe::launch_unchecked(
+            &client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(128),
+            a_dev.into_tensor_arg(),
+            b_dev.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            BF16,
+        );
+    }
+    // A · Bᵀ: row i of A against row j of B.
+    check_product("A B^T", &out.read::<f32>(), |i, j| {
+        let terms = (0..64).map(|k| a[i * 64 + k].to_f64() * b[j * 64 + k].to_f64());
+        (0.0, terms.collect())
+    });
+}
+
+#[test]
+fn warpgroup_product_pv_matches_the_reference_cuda() {
+    let Some(client) = hopper_or_skip("warpgroup_product_pv_matches_the_reference_cuda") else {
+        return;
+    };
+    let mut rng = Rng::new(51);
+    let o = rng.normals(64 * 64);
+    let (p, v) = (bf16s(&mut rng), bf16s(&mut rng));
+    let out = KernelTensor::from_f32(&client, &[f32::NAN; 64 * 64], [64, 64]);
+    let o_dev = KernelTensor::from_f32(&client, &o, [64, 64]);
+    let [p_dev, v_dev] = [&p, &v].map(|x| KernelTensor::from_values(&client, x, [64, 64]));
+    // SAFETY: one cube of 128 units, each reading its 32 values of V, its accumulators and
+    // its fragment, and writing its 32 outputs.
+    unsafe {
+        product_pv_probe::launch_unchecked(
+            &client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(128),
+            o_dev.into_tensor_arg(),
+            p_dev.into_tensor_arg(),
+            v_dev.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            BF16,
+        );
+    }
+    // O + P · V: row i of P against column j of V.
+    check_product("O + P V", &out.read::<f32>(), |i, j| {
+        let terms = (0..64).map(|k| p[i * 64 + k].to_f64() * v[k * 64 + j].to_f64());
+        (o[i * 64 + j] as f64, terms.collect())
+    });
+}
+
+#[test]
+fn warpgroup_attention_matches_the_reference_cuda() {
+    let Some(client) = hopper_or_skip("warpgroup_attention_matches_the_reference_cuda") else {
+        return;
+    };
+    let mut rng = Rng::new(52);
+    let keys = 256;
+    let round = |values: Vec<f32>| -> Vec<half::bf16> {
+        values.into_iter().map(half::bf16::from_f32).collect()
+    };
+    let q = bf16s(&mut rng);
+    let (k, v) = (round(rng.normals(keys * 64)), round(rng.normals(keys * 64)));
+    let out = KernelTensor::from_f32(&client, &[f32::NAN; 64 * 64], [64, 64]);
+    let q_dev = KernelTensor::from_values(&client, &q, [64, 64]);
+    let [k_dev, v_dev] = [&k, &v].map(|x| KernelTensor::from_values(&client, x, [keys, 64]));
+    // SAFETY: one cube of 128 units, reading the 64 query rows and every key block, each
+    // unit writing its 32 outputs.
+    unsafe {
+        attention_probe::launch_unchecked(
+            &client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(128),
+            q_dev.into_tensor_arg(),
+            k_dev.into_tensor_arg(),
+            v_dev.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            BF16,
+        );
+    }
+    let got = out.read::<f32>();
+    let (mut worst, mut largest) = (0f64, 0f64);
+    for i in 0..64 {
+        let scores: Vec<f64> = (0..keys)
+            .map(|j| {
+                (0..64)
+                    .map(|c| q[i * 64 + c].to_f64() * k[j * 64 + c].to_f64())
+                    .sum::<f64>()
+                    / 8.0
+            })
+            .collect();
+        let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        for c in 0..64 {
+            let exact = (0..keys)
+                .map(|j| weights[j] * v[j * 64 + c].to_f64())
+                .sum::<f64>()
+                / total;
+            let value = got[i * 64 + c] as f64;
+            assert!(value.is_finite(), "O[{i}][{c}] = {value}");
+            worst = worst.max((value - exact).abs());
+            largest = largest.max(exact.abs());
+        }
+    }
+    eprintln!(
+        "warpgroup attention, 64 rows over {keys} keys: largest error {worst:.3e} (largest value {largest:.3})"
+    );
+    // P enters the second product in bf16 (2^-9 relative each); a wrong row, column or
+    // layout is off by the size of the values.
+    assert!(
+        worst <= largest / 64.0,
+        "largest error {worst} of {largest}"
+    );
+}
+
+/// `values` rounded to the 16-bit type in place (what the kernel reads and the reference
+/// gets), uploaded in that type.
+fn upload(client: &Client, values: &mut [f32], dims: [usize; 4], bf16: bool) -> KernelTensor {
+    if bf16 {
+        let rounded: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+        values
+            .iter_mut()
+            .zip(&rounded)
+            .for_each(|(x, r)| *x = r.to_f32());
+        KernelTensor::from_values(client, &rounded, dims)
+    } else {
+        let rounded: Vec<half::f16> = values.iter().map(|&x| half::f16::from_f32(x)).collect();
+        values
+            .iter_mut()
+            .zip(&rounded)
+            .for_each(|(x, r)| *x = r.to_f32());
+        KernelTensor::from_values(client, &rounded, dims)
+    }
+}
+
+/// One case through [`launch`] against the f64 reference on the same rounded inputs, the
+/// outputs poisoned (NaN) before the launch. The output is within 2⁻⁷ of the largest
+/// magnitude (at least 1): it is rounded to 16 bits (2⁻⁹) and the probabilities enter the
+/// second product in 16 bits (2⁻⁹ each, summed with weights that add to 1); a wrong row,
+/// column, key block or mask is off by the size of the values. The log-sum-exp is f32
+/// arithmetic on exact products: within 1e-4.
+fn check(client: &Client, case: &Case, bf16: bool, seed: u64) {
+    crate::testing::poison_outputs(true);
+    let mut inputs = Inputs::draw(case, seed);
+    let q = upload(client, &mut inputs.q, case.q_dims(), bf16);
+    let k = upload(client, &mut inputs.k, case.k_dims(), bf16);
+    let v = upload(client, &mut inputs.v, case.v_dims(), bf16);
+    let (expected_out, expected_lse) = inputs.forward(case);
+    let params = ScoreParams::new(
+        &case.options,
+        case.heads,
+        case.head_dim,
+        case.seq_q,
+        case.seq_k,
+    );
+    let out = output(&q, case.out_dims().into(), q.dtype);
+    let lse = output(&q, [case.batch, case.heads, case.seq_q].into(), F32);
+    let cfg = WarpgroupConfig {
+        head_dim: case.head_dim,
+        causal: params.mask.right,
+        bf16,
+    };
+    launch(&q, &k, &v, &out, &lse, &params, cfg);
+    let got: Vec<f32> = if bf16 {
+        out.read::<half::bf16>()
+            .iter()
+            .map(|x| x.to_f32())
+            .collect()
+    } else {
+        out.read::<half::f16>().iter().map(|x| x.to_f32()).collect()
+    };
+    let label = format!("{case:?} bf16={bf16}");
+    assert_close(&format!("{label}: out"), &got, &expected_out, 1.0 / 128.0);
+    assert_close(
+        &format!("{label}: lse"),
+        &lse.read::<f32>(),
+        &expected_lse,
+        1e-4,
+    );
+}
+
+#[test]
+fn warpgroup_forward_matches_the_reference_cuda() {
+    let Some(client) = hopper_or_skip("warpgroup_forward_matches_the_reference_cuda") else {
+        return;
+    };
+    let top_left = FlashAttentionOptions::new()
+        .with_causal(true)
+        .with_causal_alignment(CausalAlignment::TopLeft);
+    let cases = [
+        // Whole blocks, and lengths that end inside a block of queries and of keys.
+        (Case::new(2, 3, 256, 256, 64), true),
+        (Case::new(2, 4, 300, 300, 64).causal().kv_heads(2), true),
+        (Case::new(1, 2, 200, 520, 128), true),
+        (Case::new(2, 2, 384, 384, 128).causal().kv_heads(1), true),
+        // Bottom-right with more queries than keys: the first rows see no key.
+        (Case::new(1, 2, 333, 130, 128).causal(), true),
+        (Case::new(1, 2, 150, 700, 64).options(top_left), true),
+        (Case::new(1, 2, 260, 260, 64).causal(), false),
+        (Case::new(1, 1, 129, 1, 128), false),
+    ];
+    for (n, (case, bf16)) in cases.iter().enumerate() {
+        check(&client, case, *bf16, 5000 + n as u64);
+    }
+}
