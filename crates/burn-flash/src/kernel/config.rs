@@ -232,13 +232,15 @@ impl Staged {
     }
 }
 
-/// The Hopper forward's blocks ([`warpgroup`](super::forward::warpgroup)): two warpgroups of 64
-/// query rows each (128-row query blocks), 128-key stages of K and V double-buffered by tensor
-/// maps, the 128-byte swizzle, panels of 64 columns.
+/// The Hopper forward's blocks ([`warpgroup`](super::forward::warpgroup)): warpgroups of 64
+/// query rows each, 128-key stages of K and V double-buffered by tensor maps, the 128-byte
+/// swizzle, panels of 64 columns.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub struct WarpgroupConfig {
     /// Width of queries, keys and values (64 or 128).
     pub head_dim: usize,
+    /// Warpgroups computing, 64 query rows each.
+    pub warpgroups: usize,
     /// Keys right of a diagonal are hidden (causal, a window's right side).
     pub causal: bool,
     /// The inputs are bf16 (else f16).
@@ -246,15 +248,30 @@ pub struct WarpgroupConfig {
 }
 
 impl WarpgroupConfig {
-    /// Query rows per cube: two warpgroups.
-    pub const BLOCK_Q: usize = 128;
     /// Keys per stage: the first product's `n`, the second's reduced dim.
     pub const BLOCK_KV: usize = 128;
+
+    /// The blocks at this head dim: three warpgroups at 64 (192-row query blocks; with the
+    /// producer's warp and its registers, one cube fills an SM), two at 128, whose stages take
+    /// twice the shared memory and whose accumulators twice the registers.
+    pub fn new(head_dim: usize, causal: bool, bf16: bool) -> Self {
+        Self {
+            head_dim,
+            warpgroups: if head_dim <= 64 { 3 } else { 2 },
+            causal,
+            bf16,
+        }
+    }
+
+    /// Query rows per cube.
+    pub fn block_q(&self) -> usize {
+        64 * self.warpgroups
+    }
 
     /// Shared memory of one cube for 16-bit inputs: the query block and two stages of K and V,
     /// each on a 1024-byte boundary (the swizzle's period), plus their barriers.
     pub fn shared_bytes(&self) -> usize {
-        let rows = Self::BLOCK_Q + 4 * Self::BLOCK_KV;
+        let rows = self.block_q() + 4 * Self::BLOCK_KV;
         rows * self.head_dim * 2 + 3 * TMA_ALIGN + 64
     }
 }

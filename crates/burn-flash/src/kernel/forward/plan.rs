@@ -137,10 +137,11 @@ impl fmt::Display for ForwardPlan {
         if let Some(warpgroup) = &self.warpgroup {
             return write!(
                 f,
-                "warpgroup tile (wgmma): {} queries × {}-key stages, two warpgroups, Q, K and V \
-                 by tensor maps{}",
-                WarpgroupConfig::BLOCK_Q,
+                "warpgroup tile (wgmma): {} queries × {}-key stages, {} warpgroups and a \
+                 producer warp, Q, K and V by tensor maps{}",
+                warpgroup.block_q(),
                 WarpgroupConfig::BLOCK_KV,
+                warpgroup.warpgroups,
                 if warpgroup.causal { ", causal" } else { "" }
             );
         }
@@ -189,6 +190,7 @@ impl fmt::Display for ForwardPlan {
 /// products need SM90a, which SM100 lacks), head dim 64 or 128 for queries and values alike,
 /// plain or causal attention over whole batches of keys (no mask or bias input, window's left
 /// side, softcap, dropout, ALiBi, key lengths, pages, packed sequences or split keys).
+/// `BURN_FLASH_WARPGROUPS=2|3` overrides its warpgroups for tuning runs.
 fn warpgroup_blocks(
     caps: &DeviceCaps,
     cfg: &TileConfig,
@@ -203,10 +205,12 @@ fn warpgroup_blocks(
         && params.softcap.is_none()
         && params.dropout.is_none()
         && params.alibi_pow2.is_none();
+    static WARPGROUPS: OnceLock<Option<usize>> = OnceLock::new();
+    let warpgroups = *WARPGROUPS.get_or_init(|| choice_override("BURN_FLASH_WARPGROUPS", &[2, 3]));
+    let blocks = WarpgroupConfig::new(problem.head_dim, params.mask.right, problem.dtype == BF16);
     let blocks = WarpgroupConfig {
-        head_dim: problem.head_dim,
-        causal: params.mask.right,
-        bf16: problem.dtype == BF16,
+        warpgroups: warpgroups.unwrap_or(blocks.warpgroups),
+        ..blocks
     };
     let runs = cfg!(feature = "cuda")
         && asked == Some(true)

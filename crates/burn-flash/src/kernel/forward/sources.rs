@@ -54,13 +54,14 @@ pub fn forward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>,
     )?;
     #[cfg(feature = "cuda")]
     if let Some(warpgroup) = plan.warpgroup {
-        use super::warpgroup::{UNITS, cube_count, tensor_map, warpgroup_forward};
+        use super::warpgroup::{cube_count, cube_dim, tensor_map, warpgroup_forward};
         let rows = |rows: usize| [&q, &k, &v].map(|t| tensor_map(t.arg(), dtype, rows));
-        let ([q_map, ..], [_, k_map, v_map]) = (
-            rows(WarpgroupConfig::BLOCK_Q),
-            rows(WarpgroupConfig::BLOCK_KV),
+        let ([q_map, ..], [_, k_map, v_map]) =
+            (rows(warpgroup.block_q()), rows(WarpgroupConfig::BLOCK_KV));
+        let (count, dim) = (
+            cube_count(&warpgroup, batch, heads, seq),
+            cube_dim(&warpgroup),
         );
-        let (count, dim) = (cube_count(batch, heads, seq), CubeDim::new_1d(UNITS));
         return Ok(vec![PlannedKernel::of(
             "warpgroup_forward",
             &plan,

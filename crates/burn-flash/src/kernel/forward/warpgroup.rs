@@ -3,11 +3,13 @@
 //! scores read from shared memory tiles the copy engine fills (tensor maps, 128-byte swizzle),
 //! the probabilities fed to the second product from the registers the first left them in.
 //!
-//! A cube owns 128 query rows, 64 per warpgroup, and walks blocks of 128 keys double-buffered:
-//! one unit issues block `j + 1`'s copies as block `j`'s products start. Each warpgroup runs
-//! `S = Q·Kᵀ`, the online softmax on the accumulators (a row's four lanes combined by
-//! shuffles), then `O += P·V`; the two warpgroups of a cube fill each other's waits on the
-//! tensor cores. Plain and causal attention (any diagonal offset), head dims 64 and 128, 16-bit
+//! A cube owns 64 query rows per warpgroup (three at head dim 64, two at 128) and walks blocks
+//! of 128 keys double-buffered.
+//! A producer unit in a warp of its own issues the copies: a stage is refilled as soon as both
+//! warpgroups have released it, each stage's full and empty barriers saying when. Each
+//! warpgroup runs `S = Q·Kᵀ`, the online softmax on the accumulators (a row's four lanes
+//! combined by shuffles), then `O += P·V`, waiting on nothing of the other: the two fall out of
+//! step, and each one's softmax runs while the other's products hold the tensor cores. Plain and causal attention (any diagonal offset), head dims 64 and 128, 16-bit
 //! inputs; every other feature takes the tensor-core tile.
 
 use cubecl::prelude::barrier::Barrier;
@@ -22,8 +24,15 @@ use crate::kernel::tile::wgmma::{
     descriptor, descriptor_across_rows, position, product, product_pv, wait_products,
 };
 
-/// Units per cube: two warpgroups.
-pub(crate) const UNITS: u32 = 256;
+/// The units of a cube: the computing warpgroups', then the producer's warp.
+pub(crate) fn cube_dim(cfg: &WarpgroupConfig) -> CubeDim {
+    CubeDim::new_1d(consumers(cfg) as u32 + 32)
+}
+
+/// The units that compute: the warpgroups'.
+fn consumers(cfg: &WarpgroupConfig) -> usize {
+    128 * cfg.warpgroups
+}
 
 /// Score accumulators a unit holds: 64 rows × [`WarpgroupConfig::BLOCK_KV`] keys.
 type Scores = Vector<f32, Const<64>>;
@@ -54,8 +63,8 @@ pub(crate) fn launch(
     let bound = i32::try_from(shift + i64::from(params.right)).expect("sequences under 2^31");
     let map =
         |t: &KernelTensor, rows: usize| tensor_map(t.clone().into_tensor_arg(), t.dtype, rows);
-    let cube_count = cube_count(batch, heads, seq_q);
-    let cube_dim = CubeDim::new_1d(UNITS);
+    let cube_count = cube_count(&cfg, batch, heads, seq_q);
+    let cube_dim = cube_dim(&cfg);
     assert!(
         matches!(cfg.head_dim, 64 | 128),
         "the plan takes the warpgroup forward at head dims 64 and 128, not {}",
@@ -71,7 +80,7 @@ pub(crate) fn launch(
             cube_dim,
             // The value accumulators a unit holds: half the head dim.
             cfg.head_dim / 2,
-            map(q, WarpgroupConfig::BLOCK_Q),
+            map(q, cfg.block_q()),
             map(k, WarpgroupConfig::BLOCK_KV),
             map(v, WarpgroupConfig::BLOCK_KV),
             out.clone().into_tensor_arg(),
@@ -95,9 +104,14 @@ pub(crate) fn tensor_map(tensor: TensorArg, dtype: ElemType, rows: usize) -> Ten
 }
 
 /// The grid: one cube per (query block, head, batch).
-pub(crate) fn cube_count(batch: usize, heads: usize, seq_q: usize) -> CubeCount {
+pub(crate) fn cube_count(
+    cfg: &WarpgroupConfig,
+    batch: usize,
+    heads: usize,
+    seq_q: usize,
+) -> CubeCount {
     CubeCount::Static(
-        seq_q.div_ceil(WarpgroupConfig::BLOCK_Q) as u32,
+        seq_q.div_ceil(cfg.block_q()) as u32,
         heads as u32,
         batch as u32,
     )
@@ -127,7 +141,8 @@ pub fn warpgroup_forward<E: Float, O: Size>(
     #[comptime] cfg: WarpgroupConfig,
     #[define(E)] _dtype: ElemType,
 ) {
-    let block_q = comptime!(WarpgroupConfig::BLOCK_Q);
+    let block_q = comptime!(cfg.block_q());
+    let computing = comptime!(consumers(&cfg) as u32);
     let block_kv = comptime!(WarpgroupConfig::BLOCK_KV);
     let d = comptime!(cfg.head_dim);
     // Causal: the grid runs backwards, so the longest row blocks start first.
@@ -146,16 +161,23 @@ pub fn warpgroup_forward<E: Float, O: Size>(
     let mut queries = Shared::<[E]>::new_aligned_slice(comptime!(block_q * d), 1024usize);
     let mut keys = Shared::<[E]>::new_aligned_slice(comptime!(2 * block_kv * d), 1024usize);
     let mut values = Shared::<[E]>::new_aligned_slice(comptime!(2 * block_kv * d), 1024usize);
-    let queries_ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let first_stage = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let second_stage = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    // A stage is full when the copy engine has written it (the producer's one arrival, with the
+    // bytes it expects), empty when every consumer unit is done with it.
+    let queries_full = Barrier::shared(1, UNIT_POS == 0);
+    let first_full = Barrier::shared(1, UNIT_POS == 0);
+    let second_full = Barrier::shared(1, UNIT_POS == 0);
+    let first_empty = Barrier::shared(computing, UNIT_POS == 0);
+    let second_empty = Barrier::shared(computing, UNIT_POS == 0);
     // The copy engine completes on the barriers: their initialisation must be visible to it.
     sync_async_proxy_shared();
     sync_cube();
-    if UNIT_POS == 0 {
-        queries_ready.expect_tx(comptime!((block_q * d * 2) as u32));
+
+    if UNIT_POS == computing {
+        // The producer: the queries, then each key block as soon as its stage is empty (the
+        // block two before it consumed: use `n` of a stage waits for release `n - 1`).
+        queries_full.arrive_and_expect_tx(1, comptime!((block_q * d * 2) as u32));
         load_panels::<E>(
-            &queries_ready,
+            &queries_full,
             q_map,
             &mut queries,
             0,
@@ -165,70 +187,15 @@ pub fn warpgroup_forward<E: Float, O: Size>(
             block_q,
             d,
         );
-        if end > 0 {
-            fetch_block::<E>(
-                &first_stage,
-                k_map,
-                v_map,
-                &mut keys,
-                &mut values,
-                0,
-                batch,
-                kv_head,
-                0,
-                cfg,
-            );
-        }
-    }
-
-    let unit = UNIT_POS as usize % 128;
-    let warpgroup = UNIT_POS as usize / 128;
-    // This unit's two rows of the warpgroup's 64: `16 w + lane / 4` and 8 below.
-    let row = q_start + warpgroup * 64 + position(unit, 0usize).0;
-    let rows_start = q_start + warpgroup * 64;
-    // Descriptors in 16-byte units: the warpgroup's 64 rows of the query block's panels, and
-    // each stage's first key row.
-    let query_desc =
-        descriptor::<E>(&queries) + comptime!((64 * 64 * 2 / 16) as u64) * warpgroup as u64;
-    let keys_desc = descriptor::<E>(&keys);
-    let values_desc = descriptor_across_rows::<E>(&values, comptime!((block_kv * 128) as u64));
-    let stage_units = comptime!((block_kv * d * 2 / 16) as u64);
-
-    let mut o = Vector::<f32, O>::new(0.0);
-    let mut row_max = Array::<f32>::new(2usize);
-    let mut row_sum = Array::<f32>::new(2usize);
-    #[unroll]
-    for h in 0..2usize {
-        row_max[h] = neg_inf;
-        row_sum[h] = 0.0;
-    }
-    queries_ready.arrive_and_wait();
-
-    for block in 0..end {
-        let stage = block % 2;
-        // Every unit arriving also proves that all are done with the other stage's block.
-        if stage == 0 {
-            first_stage.arrive_and_wait();
-        } else {
-            second_stage.arrive_and_wait();
-        }
-        if UNIT_POS == 0 && block + 1 < end {
+        for block in 0..end {
+            let stage = block % 2;
+            let release = (block / 2 + 1) as u32 % 2;
             if stage == 0 {
+                if block >= 2 {
+                    first_empty.wait_parity(release);
+                }
                 fetch_block::<E>(
-                    &second_stage,
-                    k_map,
-                    v_map,
-                    &mut keys,
-                    &mut values,
-                    1,
-                    batch,
-                    kv_head,
-                    block + 1,
-                    cfg,
-                );
-            } else {
-                fetch_block::<E>(
-                    &first_stage,
+                    &first_full,
                     k_map,
                     v_map,
                     &mut keys,
@@ -236,43 +203,97 @@ pub fn warpgroup_forward<E: Float, O: Size>(
                     0,
                     batch,
                     kv_head,
-                    block + 1,
+                    block,
+                    cfg,
+                );
+            } else {
+                if block >= 2 {
+                    second_empty.wait_parity(release);
+                }
+                fetch_block::<E>(
+                    &second_full,
+                    k_map,
+                    v_map,
+                    &mut keys,
+                    &mut values,
+                    1,
+                    batch,
+                    kv_head,
+                    block,
                     cfg,
                 );
             }
         }
-        let stage_offset = stage_units * stage as u64;
-        let s = product::<Const<64>>(
-            query_desc,
-            keys_desc + stage_offset,
-            block_q,
-            block_kv,
-            d,
-            cfg.bf16,
-        );
-        wait_products();
-        let key_start = block * block_kv;
-        // Only the blocks that cross the sequence's end or a diagonal of the warpgroup's rows
-        // test each score.
-        let crosses_end = key_start + block_kv > seq_k;
-        let crosses_diagonal =
-            comptime!(cfg.causal) && (key_start + block_kv - 1) as i32 > rows_start as i32 + bound;
-        let s = if crosses_end || crosses_diagonal {
-            masked_scores(s, key_start, row, seq_k, bound, scale, neg_inf, cfg)
-        } else {
-            scaled_scores(s, scale)
-        };
-        let p = online_softmax::<E, O>(&s, &mut o, &mut row_max, &mut row_sum, neg_inf);
-        o = product_pv::<O, Const<32>>(o, p, values_desc + stage_offset, block_kv, d, cfg.bf16);
-        wait_products();
-    }
+    } else if UNIT_POS < computing {
+        let unit = UNIT_POS as usize % 128;
+        let warpgroup = UNIT_POS as usize / 128;
+        // This unit's two rows of the warpgroup's 64: `16 w + lane / 4` and 8 below.
+        let row = q_start + warpgroup * 64 + position(unit, 0usize).0;
+        let rows_start = q_start + warpgroup * 64;
+        // Descriptors in 16-byte units: the warpgroup's 64 rows of the query block's panels,
+        // and each stage's first key row.
+        let query_desc =
+            descriptor::<E>(&queries) + comptime!((64 * 64 * 2 / 16) as u64) * warpgroup as u64;
+        let keys_desc = descriptor::<E>(&keys);
+        let values_desc = descriptor_across_rows::<E>(&values, comptime!((block_kv * 128) as u64));
+        let stage_units = comptime!((block_kv * d * 2 / 16) as u64);
 
-    write_rows::<E, O>(
-        &o, &row_max, &row_sum, out, lse, batch, head, row, seq_q, neg_inf,
-    );
+        let mut o = Vector::<f32, O>::new(0.0);
+        let mut row_max = Array::<f32>::new(2usize);
+        let mut row_sum = Array::<f32>::new(2usize);
+        #[unroll]
+        for h in 0..2usize {
+            row_max[h] = neg_inf;
+            row_sum[h] = 0.0;
+        }
+        queries_full.wait_parity(0);
+
+        for block in 0..end {
+            let stage = block % 2;
+            let filled = (block / 2) as u32 % 2;
+            if stage == 0 {
+                first_full.wait_parity(filled);
+            } else {
+                second_full.wait_parity(filled);
+            }
+            let stage_offset = stage_units * stage as u64;
+            let s = product::<Const<64>>(
+                query_desc,
+                keys_desc + stage_offset,
+                block_q,
+                block_kv,
+                d,
+                cfg.bf16,
+            );
+            wait_products();
+            let key_start = block * block_kv;
+            // Only the blocks that cross the sequence's end or a diagonal of the warpgroup's
+            // rows test each score.
+            let crosses_end = key_start + block_kv > seq_k;
+            let crosses_diagonal = comptime!(cfg.causal)
+                && (key_start + block_kv - 1) as i32 > rows_start as i32 + bound;
+            let s = if crosses_end || crosses_diagonal {
+                masked_scores(s, key_start, row, seq_k, bound, neg_inf, cfg)
+            } else {
+                s
+            };
+            let p = online_softmax::<E, O>(&s, scale, &mut o, &mut row_max, &mut row_sum, neg_inf);
+            o = product_pv::<O, Const<32>>(o, p, values_desc + stage_offset, block_kv, d, cfg.bf16);
+            wait_products();
+            if stage == 0 {
+                first_empty.arrive();
+            } else {
+                second_empty.arrive();
+            }
+        }
+
+        write_rows::<E, O>(
+            &o, &row_max, &row_sum, out, lse, batch, head, row, seq_q, scale, neg_inf,
+        );
+    }
 }
 
-/// The key blocks the query block `[q_start, q_start + BLOCK_Q)` sees: up to the sequence's end
+/// The key blocks the query block `[q_start, q_start + cfg.block_q())` sees: up to the sequence's end
 /// and, causal, to its last row's diagonal (none where that lies before the first key).
 #[cube]
 fn key_blocks_end(
@@ -284,7 +305,7 @@ fn key_blocks_end(
     let block_kv = comptime!(WarpgroupConfig::BLOCK_KV);
     let all = seq_k.div_ceil(block_kv);
     if comptime!(cfg.causal) {
-        let last_key = (q_start + WarpgroupConfig::BLOCK_Q - 1) as i32 + bound;
+        let last_key = (q_start + cfg.block_q() - 1) as i32 + bound;
         if last_key < 0 {
             0usize
         } else {
@@ -325,9 +346,9 @@ fn load_panels<E: Float>(
     }
 }
 
-/// Issue key block `block`'s keys and values into stage `stage`, completing on `barrier` (its
-/// bytes expected before the copies, so it cannot complete without them). Rows past the
-/// sequence arrive as zeros.
+/// Issue key block `block`'s keys and values into stage `stage`, completing on `barrier`: the
+/// producer's arrival with the bytes it expects, before the copies, so that the phase cannot
+/// complete without them. Rows past the sequence arrive as zeros.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fetch_block<E: Float>(
@@ -344,7 +365,7 @@ fn fetch_block<E: Float>(
 ) {
     let block_kv = comptime!(WarpgroupConfig::BLOCK_KV);
     let stage_len = comptime!(block_kv * cfg.head_dim);
-    barrier.expect_tx(comptime!((2 * stage_len * 2) as u32));
+    barrier.arrive_and_expect_tx(1, comptime!((2 * stage_len * 2) as u32));
     let (start, row) = (stage * stage_len, block * block_kv);
     load_panels::<E>(
         barrier,
@@ -370,28 +391,15 @@ fn fetch_block<E: Float>(
     );
 }
 
-/// The scores times `scale` (the softmax scale times log2 e), every key visible.
-#[cube]
-fn scaled_scores(s: Scores, scale: f32) -> Scores {
-    let mut t = s;
-    #[unroll]
-    for nth in 0..64usize {
-        t.insert(nth, s.extract(nth) * scale);
-    }
-    t
-}
-
-/// [`scaled_scores`] with the keys past `seq_k` and, causal, right of each row's diagonal at
+/// The raw scores with the keys past `seq_k` and, causal, right of each row's diagonal at
 /// `-inf`: key `key_start + col` of row `row` (+ 8 for the accumulators of the lower half).
 #[cube]
-#[allow(clippy::too_many_arguments)]
 fn masked_scores(
     s: Scores,
     key_start: usize,
     row: usize,
     seq_k: usize,
     bound: i32,
-    scale: f32,
     neg_inf: f32,
     #[comptime] cfg: WarpgroupConfig,
 ) -> Scores {
@@ -406,18 +414,20 @@ fn masked_scores(
         if comptime!(cfg.causal) {
             visible = visible && key as i32 <= query as i32 + bound;
         }
-        t.insert(nth, select(visible, s.extract(nth) * scale, neg_inf));
+        t.insert(nth, select(visible, s.extract(nth), neg_inf));
     }
     t
 }
 
-/// The online softmax of one block's scaled scores `t` (base 2): each row's max and sum moved
-/// on, `o` rescaled, and the probabilities returned as the registers of `O += P·V`
+/// The online softmax of one block's raw scores `s`, `scale` being the softmax scale times
+/// log2 e (each probability one multiply-add and a base-2 exponential): each row's max and sum
+/// moved on, `o` rescaled, and the probabilities returned as the registers of `O += P·V`
 /// (accumulators `2f` and `2f + 1` are register `f`: same row, adjacent keys). A row that has
 /// seen no key yet keeps a max of `-inf` and probabilities of 0.
 #[cube]
 fn online_softmax<E: Float, O: Size>(
-    t: &Scores,
+    s: &Scores,
+    scale: f32,
     o: &mut Vector<f32, O>,
     row_max: &mut Array<f32>,
     row_sum: &mut Array<f32>,
@@ -431,14 +441,14 @@ fn online_softmax<E: Float, O: Size>(
         #[unroll]
         for nth in 0..64usize {
             if comptime!((nth % 4) / 2 == h) {
-                m = max(m, t.extract(nth));
+                m = max(m, s.extract(nth));
             }
         }
         m = max(m, plane_shuffle_xor(m, 1));
         m = max(m, plane_shuffle_xor(m, 2));
         // Subtracting -inf would give NaN: a row without keys subtracts 0.
-        shift[h] = select(m == neg_inf, 0.0f32, m);
-        alpha[h] = exp2(row_max[h] - shift[h], TilePath::TensorCore);
+        shift[h] = select(m == neg_inf, 0.0f32, m * scale);
+        alpha[h] = exp2(row_max[h] * scale - shift[h], TilePath::TensorCore);
         row_max[h] = m;
         row_sum[h] *= alpha[h];
     }
@@ -446,9 +456,12 @@ fn online_softmax<E: Float, O: Size>(
     #[unroll]
     for f in 0..32usize {
         let h = comptime!(f % 2);
-        let p0 = exp2(t.extract(comptime!(2 * f)) - shift[h], TilePath::TensorCore);
+        let p0 = exp2(
+            s.extract(comptime!(2 * f)) * scale - shift[h],
+            TilePath::TensorCore,
+        );
         let p1 = exp2(
-            t.extract(comptime!(2 * f + 1)) - shift[h],
+            s.extract(comptime!(2 * f + 1)) * scale - shift[h],
             TilePath::TensorCore,
         );
         row_sum[h] += p0 + p1;
@@ -479,6 +492,7 @@ fn write_rows<E: Float, O: Size>(
     head: usize,
     row: usize,
     seq_q: usize,
+    scale: f32,
     neg_inf: f32,
 ) {
     let unit = UNIT_POS as usize % 128;
@@ -493,7 +507,7 @@ fn write_rows<E: Float, O: Size>(
         inverse[h] = select(seen, 1.0f32 / sum, 0.0f32);
         row_lse[h] = select(
             seen,
-            row_max[h] * core::f32::consts::LN_2 + sum.ln(),
+            row_max[h] * scale * core::f32::consts::LN_2 + sum.ln(),
             neg_inf,
         );
     }

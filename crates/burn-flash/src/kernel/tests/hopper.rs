@@ -416,11 +416,7 @@ fn check(client: &Client, case: &Case, bf16: bool, seed: u64) {
     );
     let out = output(&q, case.out_dims().into(), q.dtype);
     let lse = output(&q, [case.batch, case.heads, case.seq_q].into(), F32);
-    let cfg = WarpgroupConfig {
-        head_dim: case.head_dim,
-        causal: params.mask.right,
-        bf16,
-    };
+    let cfg = WarpgroupConfig::new(case.head_dim, params.mask.right, bf16);
     launch(&q, &k, &v, &out, &lse, &params, cfg);
     let got: Vec<f32> = if bf16 {
         out.read::<half::bf16>()
