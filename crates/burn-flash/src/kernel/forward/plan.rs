@@ -126,7 +126,9 @@ impl ForwardPlan {
             cfg,
             pack_mask,
             kv_splits,
-            warpgroup: warpgroup_blocks(caps, &cfg, problem),
+            warpgroup: warpgroup_asked()
+                .then(|| warpgroup_blocks(caps, &cfg, problem))
+                .flatten(),
         })
     }
 }
@@ -184,20 +186,29 @@ impl fmt::Display for ForwardPlan {
     }
 }
 
-/// The Hopper forward's blocks ([`warpgroup`](super::warpgroup)) where this CUDA build is asked
-/// for it (`BURN_FLASH_WARPGROUP=1`: it is not yet measured ahead of the tensor-core tile, see
-/// `docs/hopper.md`) and can run the problem: the tensor-core tile with tensor maps (SM90; the
-/// products need SM90a, which SM100 lacks), head dim 64 or 128 for queries and values alike,
-/// plain or causal attention over whole batches of keys (no mask or bias input, window's left
-/// side, softcap, dropout, ALiBi, key lengths, pages, packed sequences or split keys).
-/// `BURN_FLASH_WARPGROUPS=2|3` overrides its warpgroups for tuning runs.
+/// Whether this build takes the Hopper forward where it can: a CUDA build asked for it by
+/// `BURN_FLASH_WARPGROUP=1` (it does not yet lead the tensor-core tile at every shape, see
+/// `docs/hopper.md`).
+fn warpgroup_asked() -> bool {
+    static ASKED: OnceLock<bool> = OnceLock::new();
+    *ASKED.get_or_init(|| {
+        cfg!(feature = "cuda") && flag_override("BURN_FLASH_WARPGROUP") == Some(true)
+    })
+}
+
+/// The Hopper forward's blocks ([`warpgroup`](super::warpgroup)) where it can run the problem:
+/// the tensor-core tile with tensor maps (SM90; the products need SM90a, which SM100 lacks),
+/// head dim 64 or 128 for queries and values alike, plain or causal attention over whole
+/// batches of keys (no mask or bias input, window's left side, softcap, dropout, ALiBi, key
+/// lengths, pages, packed sequences or split keys). `BURN_FLASH_WARPGROUPS=2|3` overrides its
+/// warpgroups for tuning runs.
 fn warpgroup_blocks(
     caps: &DeviceCaps,
     cfg: &TileConfig,
     problem: &ForwardProblem,
 ) -> Option<WarpgroupConfig> {
-    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
-    let asked = *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP"));
+    static WARPGROUPS: OnceLock<Option<usize>> = OnceLock::new();
+    let warpgroups = *WARPGROUPS.get_or_init(|| choice_override("BURN_FLASH_WARPGROUPS", &[2, 3]));
     let params = &problem.params;
     let plain = !params.mask.left
         && !params.mask.tensor
@@ -205,16 +216,12 @@ fn warpgroup_blocks(
         && params.softcap.is_none()
         && params.dropout.is_none()
         && params.alibi_pow2.is_none();
-    static WARPGROUPS: OnceLock<Option<usize>> = OnceLock::new();
-    let warpgroups = *WARPGROUPS.get_or_init(|| choice_override("BURN_FLASH_WARPGROUPS", &[2, 3]));
     let blocks = WarpgroupConfig::new(problem.head_dim, params.mask.right, problem.dtype == BF16);
     let blocks = WarpgroupConfig {
         warpgroups: warpgroups.unwrap_or(blocks.warpgroups),
         ..blocks
     };
-    let runs = cfg!(feature = "cuda")
-        && asked == Some(true)
-        && caps.tma
+    let runs = caps.tma
         && cfg.tile == TilePath::TensorCore
         && matches!(problem.head_dim, 64 | 128)
         && problem.value_dim == problem.head_dim
@@ -474,7 +481,7 @@ fn bias_add(scale: f32, dtype: ElemType) -> BiasAdd {
 mod tests {
     use super::*;
     use crate::kernel::device::caps;
-    use crate::options::FlashAttentionOptions;
+    use crate::options::{AttentionWindow, FlashAttentionOptions};
 
     fn problem(d: usize, options: FlashAttentionOptions, inputs: ScoreFacts) -> ForwardProblem {
         let mask_dims = inputs.mask.map(|mask| mask.dims);
@@ -496,6 +503,52 @@ mod tests {
             varlen: false,
             kv_tma_aligned: true,
         }
+    }
+
+    /// The Hopper forward takes plain and causal attention at head dims 64 and 128 where
+    /// tensor maps exist, and leaves every other problem to the tensor-core tile.
+    #[test]
+    fn warpgroup_forward_where_it_covers_the_problem() {
+        let blocks = |caps: &DeviceCaps, problem: &ForwardProblem| {
+            let cfg = ForwardPlan::new(caps, problem).unwrap().cfg;
+            warpgroup_blocks(caps, &cfg, problem)
+        };
+        let causal = FlashAttentionOptions::new().with_causal(true);
+        let plain = problem(64, FlashAttentionOptions::new(), ScoreFacts::default());
+        assert_eq!(
+            blocks(&caps::h100(), &plain),
+            Some(WarpgroupConfig::new(64, false, true))
+        );
+        let d128 = problem(128, causal, ScoreFacts::default());
+        let wide = blocks(&caps::h100(), &d128).expect("causal head dim 128");
+        assert_eq!((wide.warpgroups, wide.causal), (2, true));
+        assert_eq!(
+            blocks(&caps::a100(), &plain),
+            None,
+            "no tensor maps before SM90"
+        );
+        let d96 = problem(96, FlashAttentionOptions::new(), ScoreFacts::default());
+        assert_eq!(blocks(&caps::h100(), &d96), None);
+        let window = problem(
+            64,
+            causal.with_window(AttentionWindow::new(Some(256), Some(0))),
+            ScoreFacts::default(),
+        );
+        assert_eq!(blocks(&caps::h100(), &window), None);
+        let dropout = problem(64, causal.with_dropout(0.1, 7), ScoreFacts::default());
+        assert_eq!(blocks(&caps::h100(), &dropout), None);
+        let lengths = ForwardProblem {
+            key_lengths: true,
+            ..plain
+        };
+        assert_eq!(blocks(&caps::h100(), &lengths), None);
+        let decode = ForwardProblem {
+            seq_q: 1,
+            batch: 1,
+            heads: 8,
+            ..plain
+        };
+        assert_eq!(blocks(&caps::h100(), &decode), None, "split keys");
     }
 
     #[test]
