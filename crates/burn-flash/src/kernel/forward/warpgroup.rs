@@ -4,13 +4,13 @@
 //! the probabilities fed to the second product from the registers the first left them in.
 //!
 //! A cube owns 64 query rows per warpgroup (three at head dim 64, two at 128) and walks blocks
-//! of 128 keys double-buffered.
-//! A producer unit in a warp of its own issues the copies: a stage is refilled as soon as both
-//! warpgroups have released it, each stage's full and empty barriers saying when. Each
-//! warpgroup runs `S = Q·Kᵀ`, the online softmax on the accumulators (a row's four lanes
-//! combined by shuffles), then `O += P·V`, waiting on nothing of the other: the two fall out of
-//! step, and each one's softmax runs while the other's products hold the tensor cores. Plain and causal attention (any diagonal offset), head dims 64 and 128, 16-bit
-//! inputs; every other feature takes the tensor-core tile.
+//! of 128 keys double-buffered. A producer unit in a warp of its own issues the copies: a
+//! stage is refilled as soon as every warpgroup has released it, each stage's full and empty
+//! barriers saying when. Each warpgroup runs `S = Q·Kᵀ`, the online softmax on the
+//! accumulators (a row's four lanes combined by shuffles), then `O += P·V`, waiting on nothing
+//! of the others: they fall out of step, and one's softmax runs while another's products hold
+//! the tensor cores. Plain and causal attention (any diagonal offset), head dims 64 and 128,
+//! 16-bit inputs; every other feature takes the tensor-core tile.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
