@@ -188,7 +188,7 @@ fn launch(
         cfg,
         pack_mask: packs,
         kv_splits: splits,
-        warpgroup,
+        ..
     } = plan;
     let (out, lse) = match &packed {
         // Packed rows come `[total, h, d]`: the output is written in that order.
@@ -206,15 +206,13 @@ fn launch(
     }
     // The warpgroup kernel reads the queries by a tensor map too and indexes in 32 bits.
     #[cfg(feature = "cuda")]
-    if let Some(warpgroup) = warpgroup
+    if let Some(warpgroup) = plan.warpgroup
         && tma_aligned(&q)
         && address_type(&[&q, &out, &lse]) == AddressType::U32
     {
         super::warpgroup::launch(&q, &k, &v, &out, &lse, &params, warpgroup);
         return (out, lse);
     }
-    #[cfg(not(feature = "cuda"))]
-    let _ = warpgroup;
     // Split keys: each split's output and log-sum-exp as heads `split · heads + head` of partial
     // outputs, merged after the launch.
     let (kernel_out, kernel_lse) = if cfg.kv_split.0 {

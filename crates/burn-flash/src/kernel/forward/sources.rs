@@ -55,9 +55,9 @@ pub fn forward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>,
     #[cfg(feature = "cuda")]
     if let Some(warpgroup) = plan.warpgroup {
         use super::warpgroup::{cube_count, cube_dim, tensor_map, warpgroup_forward};
-        let rows = |rows: usize| [&q, &k, &v].map(|t| tensor_map(t.arg(), dtype, rows));
-        let ([q_map, ..], [_, k_map, v_map]) =
-            (rows(warpgroup.block_q()), rows(WarpgroupConfig::BLOCK_KV));
+        let q_map = tensor_map(q.arg(), dtype, warpgroup.block_q());
+        let [k_map, v_map] =
+            [&k, &v].map(|t| tensor_map(t.arg(), dtype, WarpgroupConfig::BLOCK_KV));
         let (count, dim) = (
             cube_count(&warpgroup, batch, heads, seq),
             cube_dim(&warpgroup),
