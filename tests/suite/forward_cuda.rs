@@ -442,7 +442,9 @@ fn small_shapes_bf16() {
 /// Decoding against a cache in bf16 on the tensor-core tile: one new query per sequence or a
 /// chunk of four (causal bottom-right), 32 query heads over 8 or 4 key/value heads at head dim
 /// 128, caches of 1 to 4100 keys (ragged against the key blocks). The plan takes 16-row blocks
-/// of one plane (keys split) and, for the 160 row blocks of the last case, of four planes.
+/// of one plane, keys split where the row blocks are fewer than the SMs (down to a key block a
+/// split), whole for the 160 row blocks of the fifth case, and four planes for the 512 of the
+/// last (on 132 SMs: one plane would leave a short second wave).
 #[test]
 fn decode_shapes_bf16() {
     let problems = [
@@ -451,6 +453,7 @@ fn decode_shapes_bf16() {
         Problem::cross(1, 32, 1, 4100, 128).grouped(4),
         Problem::cross(3, 32, 4, 2049, 128).grouped(8),
         Problem::cross(5, 32, 1, 300, 128),
+        Problem::cross(16, 32, 1, 70, 128),
     ];
     let cases: Vec<Case> = problems
         .iter()

@@ -93,7 +93,7 @@ pub fn try_flash_attention_with_lengths(
         options.window = None;
         return try_flash_attention_masked(q, k, v, Some(AttentionMask::Full(mask)), None, options);
     }
-    let key_lengths = unsigned_lengths(key_lengths, p.seq_k);
+    let key_lengths = kernel_lengths(key_lengths, p.seq_k);
     let value_dim = p.value_dim;
     let (q, k, v) = padded_to(&route, q, k, v);
     let output = <Dispatch as FlashAttentionBackend>::flash_attention_forward_cached(
@@ -219,7 +219,7 @@ pub fn try_flash_attention_paged(
             k_pages.into_dispatch(),
             v_pages.into_dispatch(),
             KeyCache::Paged(
-                unsigned_lengths(key_lengths, p.seq_k).into_dispatch(),
+                kernel_lengths(key_lengths, p.seq_k).into_dispatch(),
                 block_table.into_dispatch(),
             ),
             options.with_scale(scale),
@@ -239,12 +239,13 @@ pub fn try_flash_attention_paged(
     try_flash_attention_with_lengths(q, gather(k_pages), gather(v_pages), key_lengths, options)
 }
 
-/// `key_lengths` as the fused kernel reads them: u32 as they are (the kernel stops at the keys'
-/// end), others clamped into `0..=seq_k` first, so that a negative one is 0.
-fn unsigned_lengths(key_lengths: Tensor<1, Int>, seq_k: usize) -> Tensor<1, Int> {
+/// `key_lengths` as the fused kernel reads them: u32 and i32 as they are (the kernel stops at
+/// the keys' end and reads a negative length as 0), others clamped into `0..=seq_k` and cast
+/// to i32.
+fn kernel_lengths(key_lengths: Tensor<1, Int>, seq_k: usize) -> Tensor<1, Int> {
     match key_lengths.dtype() {
-        DType::U32 => key_lengths,
-        _ => key_lengths.clamp(0, seq_k as i64).cast(IntDType::U32),
+        DType::U32 | DType::I32 => key_lengths,
+        _ => key_lengths.clamp(0, seq_k as i64).cast(IntDType::I32),
     }
 }
 

@@ -57,6 +57,17 @@ fn unsigned(t: IntTensor<CubeBackend>) -> CubeTensor {
     }
 }
 
+/// An integer tensor of 32 bits as it is (the forward reads key lengths and block tables as u32
+/// or i32, so Burn's default i32 costs no cast per call), any other cast to `like`'s dtype,
+/// or to i32.
+fn thirty_two_bit(t: IntTensor<CubeBackend>, like: Option<DType>) -> CubeTensor {
+    match (t.dtype, like) {
+        (DType::U32 | DType::I32, None) => t,
+        (dtype, Some(like)) if dtype == like => t,
+        (_, like) => cast(t, like.unwrap_or(DType::I32)),
+    }
+}
+
 /// The kernels' view of packed sequences, and the score parameters over the longest one
 /// (its diagonal placed per sequence, so top-left stays top-left whatever the lengths).
 fn packed_rows(
@@ -121,7 +132,8 @@ impl FlashAttentionBackend for CubeBackend {
         keys: KeyCache<Self>,
         options: FlashAttentionOptions,
     ) -> FloatTensor<Self> {
-        // The kernel reads u32 lengths (those past the keys count as all of them) and tables.
+        // The kernel reads u32 or i32 lengths (those past the keys count as all of them, negative
+        // ones as none) and tables.
         // Pages `[pages, page_size, kv_heads, dim]` are read as `[pages, kv_heads, page_size,
         // dim]`, in place.
         let (k, v, cached, seq_k) = match keys {
@@ -142,9 +154,11 @@ impl FlashAttentionBackend for CubeBackend {
         let params = kernel::ScoreParams::new(&options, shape[1], shape[3], shape[2], seq_k)
             .with_key_lengths(&options);
         let device = q.device.clone();
+        let lengths = thirty_two_bit(cached.0, None);
+        let like = Some(lengths.dtype);
         let cached = kernel::CachedKeys {
-            lengths: to_kernel(unsigned(cached.0)),
-            block_table: cached.1.map(|table| to_kernel(unsigned(table))),
+            lengths: to_kernel(lengths),
+            block_table: cached.1.map(|table| to_kernel(thirty_two_bit(table, like))),
         };
         let (output, _) = kernel::forward(
             to_kernel(q),

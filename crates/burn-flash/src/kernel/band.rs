@@ -36,14 +36,19 @@ impl Band {
 
     /// This band with the keys cut to sequence `batch`'s length in `key_lengths` (`[b]`, how
     /// many leading keys of each sequence exist: a cache's filled part), where given. Lengths
-    /// past the keys' rows count as all of them, so no row outside the tensor is read. The
-    /// bottom-right diagonal moves with the length: a sequence's last query sits on its last
-    /// key.
-    pub fn of_sequence(self, key_lengths: ComptimeOption<&Tensor<u32>>, batch: usize) -> Band {
+    /// past the keys' rows count as all of them, so no row outside the tensor is read; negative
+    /// ones (signed `I`) as none. The bottom-right diagonal moves with the length: a sequence's
+    /// last query sits on its last key.
+    pub fn of_sequence<I: Int>(
+        self,
+        key_lengths: ComptimeOption<&Tensor<I>>,
+        batch: usize,
+    ) -> Band {
         let mut band = self;
         #[comptime]
         if let ComptimeOption::Some(lengths) = key_lengths {
-            band.seq_k = min(usize::cast_from(lengths[batch]), band.seq_k);
+            let length = max(lengths[batch], I::new(0));
+            band.seq_k = min(usize::cast_from(length), band.seq_k);
         }
         band
     }

@@ -2,7 +2,7 @@
 //! kernels read them, the outputs (poisoned for tests), tensor maps of the staged operands, vector
 //! and address widths.
 
-use cubecl::ir::{ElemType, FloatKind, UIntKind};
+use cubecl::ir::{ElemType, FloatKind, IntKind, UIntKind};
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use cubecl::std::tensor::{TensorHandle, into_contiguous};
@@ -22,6 +22,9 @@ pub const BF16: ElemType = ElemType::Float(FloatKind::BF16);
 pub const U8: ElemType = ElemType::UInt(UIntKind::U8);
 /// u32, the dtype of a packed mask.
 pub const U32: ElemType = ElemType::UInt(UIntKind::U32);
+/// i32, which key lengths and block tables may be read as beside u32 (Burn's default integer
+/// dtype on CUDA and wgpu, read without a cast).
+pub const I32: ElemType = ElemType::Int(IntKind::I32);
 
 /// A tensor on a CubeCL device as the kernels take it: the client of its device, its buffer,
 /// shape and strides (in elements), and its dtype. Burn's `CubeTensor` has the same fields.
@@ -329,14 +332,14 @@ fn broadcast_view(mut input: KernelTensor) -> KernelTensor {
 }
 
 /// The keys of a cache as the forward reads them ([`forward`](crate::kernel::forward)): each
-/// sequence's length, and in a paged cache the block table.
+/// sequence's length, and in a paged cache the block table, both u32 or both i32.
 #[derive(Clone, Debug)]
 pub struct CachedKeys {
-    /// `[b]` u32: the keys sequence `b` holds (a length past the keys' rows counts as all of
-    /// them).
+    /// `[b]`: the keys sequence `b` holds (a length past the keys' rows counts as all of them, a
+    /// negative one as none).
     pub lengths: KernelTensor,
-    /// `[b, pages per sequence]` u32: the page holding each run of `page_size` keys of a
-    /// sequence, where K and V are paged, `[pages, kv_heads, page_size, dim]`.
+    /// `[b, pages per sequence]`: the page holding each run of `page_size` keys of a sequence,
+    /// where K and V are paged, `[pages, kv_heads, page_size, dim]`.
     pub block_table: Option<KernelTensor>,
 }
 

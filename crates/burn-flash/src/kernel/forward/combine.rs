@@ -8,7 +8,10 @@ use cubecl::prelude::*;
 use crate::kernel::tensors::{F32, KernelTensor};
 
 /// One unit per output element (`out`, `[b, h, sq, dv]`, contiguous) from the partial outputs
-/// and log-sum-exps of the splits, head `split · h + head` of `partial_out` and `partial_lse`.
+/// and log-sum-exps of the `splits` splits, head `split · h + head` of `partial_out` and
+/// `partial_lse`. The split count is comptime so that both loops unroll: every split's load is
+/// in flight at once rather than one L2 round trip per split (the merge sits on a decoding
+/// step's critical path).
 #[cube(launch_unchecked, address_type = "dynamic")]
 fn combine_splits<E: Float>(
     partial_out: &Tensor<E>,
@@ -16,6 +19,7 @@ fn combine_splits<E: Float>(
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
     neg_inf: f32,
+    #[comptime] splits: usize,
     #[define(E)] _dtype: ElemType,
 ) {
     if ABSOLUTE_POS >= out.len() {
@@ -26,32 +30,33 @@ fn combine_splits<E: Float>(
     let row = (ABSOLUTE_POS / dim) % seq;
     let head = (ABSOLUTE_POS / (dim * seq)) % heads;
     let batch = ABSOLUTE_POS / (dim * seq * heads);
-    let splits = partial_lse.shape(1) / heads;
     let lse_row =
         batch * partial_lse.stride(0) + head * partial_lse.stride(1) + row * partial_lse.stride(2);
     let lse_step = heads * partial_lse.stride(1);
-
-    let mut max = neg_inf;
-    for split in 0..splits {
-        let part = partial_lse[lse_row + split * lse_step];
-        max = select(part > max, part, max);
-    }
     let out_at = batch * partial_out.stride(0)
         + head * partial_out.stride(1)
         + row * partial_out.stride(2)
         + col * partial_out.stride(3);
     let out_step = heads * partial_out.stride(1);
+
+    let mut max = neg_inf;
+    #[unroll]
+    for split in 0..splits {
+        let part = partial_lse[lse_row + split * lse_step];
+        max = select(part > max, part, max);
+    }
+    // A row no split saw (`max = -inf`) weighs every split 0 instead of NaN.
+    let seen = max > neg_inf;
+    let shift = select(seen, max, 0.0);
     let mut sum = 0.0f32;
     let mut acc = 0.0f32;
-    if max > neg_inf {
-        for split in 0..splits {
-            let weight = (partial_lse[lse_row + split * lse_step] - max).exp();
-            sum += weight;
-            acc += weight * f32::cast_from(partial_out[out_at + split * out_step]);
-        }
+    #[unroll]
+    for split in 0..splits {
+        let weight = (partial_lse[lse_row + split * lse_step] - shift).exp();
+        sum += weight;
+        acc += weight * f32::cast_from(partial_out[out_at + split * out_step]);
     }
     // `sum >= 1` where a split saw a key: the largest weight is exp(0).
-    let seen = max > neg_inf;
     out[ABSOLUTE_POS] = E::cast_from(select(seen, acc / select(seen, sum, 1.0), 0.0));
     if col == 0 {
         let at = batch * lse.stride(0) + head * lse.stride(1) + row * lse.stride(2);
@@ -74,6 +79,7 @@ pub fn combine(
     let cube_dim = CubeDim::new(client, units);
     let cube_count = cubecl::calculate_cube_count_elemwise(client, units, cube_dim);
     let address = crate::kernel::tensors::address_type(&[partial_out, partial_lse, out, lse]);
+    let splits = partial_lse.meta.shape()[1] / out.meta.shape()[1];
     // SAFETY: one unit per output element, guarded by the output's length; every other index is
     // bounded by the partial tensors' shapes, `splits · h` heads of the same (b, sq, dv).
     unsafe {
@@ -87,6 +93,7 @@ pub fn combine(
             out.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             f32::NEG_INFINITY,
+            splits,
             out.dtype,
         );
     }

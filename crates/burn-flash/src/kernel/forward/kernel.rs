@@ -13,7 +13,7 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::pages::{block_rows, key_capacity};
+use super::pages::{BlockRows, block_page, block_rows, key_capacity};
 use crate::kernel::band::{Band, kv_blocks};
 use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TileConfig, TilePath};
 use crate::kernel::dropout::{Dropout, keep_mask};
@@ -68,7 +68,7 @@ struct Coords {
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 )]
 #[allow(clippy::too_many_arguments)]
-pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
+pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
@@ -77,8 +77,8 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     mask: ComptimeOption<&Tensor<M>>,
     hidden_blocks: ComptimeOption<&Tensor<u32>>,
     bias: ComptimeOption<&Tensor<E>>,
-    key_lengths: ComptimeOption<&Tensor<u32>>,
-    block_table: ComptimeOption<&Tensor<u32>>,
+    key_lengths: ComptimeOption<&Tensor<I>>,
+    block_table: ComptimeOption<&Tensor<I>>,
     starts: ComptimeOption<&Tensor<u32>>,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
@@ -92,7 +92,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     dropout_threshold: u32,
     alibi_pow2: u32,
     #[comptime] cfg: TileConfig,
-    #[define(E, M)] _dtypes: [ElemType; 2],
+    #[define(E, M, I)] _dtypes: [ElemType; 3],
 ) {
     // With packed sequences the grid's batch is the sequence, the tensors' batch is 0.
     let (sequence, head) = batch_and_head(cfg);
@@ -175,7 +175,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
     }
 
     let mut query = if comptime!(cfg.tile == TilePath::TensorCore) {
-        kv_loop_pipelined::<E, M, T>(
+        kv_loop_pipelined::<E, M, I, T>(
             q,
             k,
             v,
@@ -194,7 +194,7 @@ pub fn flash_forward<E: Float, M: Int, T: AttentionTile<E>>(
             cfg,
         )
     } else {
-        kv_loop::<E, M, T>(
+        kv_loop::<E, M, I, T>(
             q,
             k,
             v,
@@ -372,7 +372,7 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
 /// their iterations only keep the stages' barriers in step.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
+fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
@@ -381,7 +381,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     mask: ComptimeOption<&Tensor<M>>,
     hidden_blocks: ComptimeOption<&Tensor<u32>>,
     bias: ComptimeOption<&Tensor<E>>,
-    block_table: ComptimeOption<&Tensor<u32>>,
+    block_table: ComptimeOption<&Tensor<I>>,
     coords: Coords,
     first: usize,
     end: usize,
@@ -390,6 +390,12 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     acc: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
 ) -> T::Query {
+    // A packed mask's block flags and a paged block's table entry are read an iteration before
+    // the one that fetches the block (the first block's entry before the stages are set up),
+    // so that a load lands behind a block's products, not in front of the next fetch. Reads
+    // are clamped into the range (the kernel's `&&` evaluates both sides).
+    let last = max(end, 1) - 1;
+    let page_first = page_of::<E, I>(block_table, k, coords, min(first, last), cfg);
     let stage_align = comptime!(if cfg.tma { TMA_ALIGN } else { SMEM_ALIGN });
     let mut keys = Shared::<[E]>::new_aligned_slice(
         comptime!(2 * cfg.block_kv * cfg.head_stride()),
@@ -414,11 +420,7 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
     let bias_factor = T::staged_factor(coords.inv_scale, cfg);
     sync_cube();
 
-    // A packed mask's block flags are read an iteration before the one that fetches the block,
-    // so that a load lands behind a block's products, not in front of the next fetch. Reads
-    // are clamped into the range (the kernel's `&&` evaluates both sides).
     let row = coords.hidden_row;
-    let last = max(end, 1) - 1;
     let mut visible = first < end && block_visible(hidden_blocks, row, min(first, last));
     let mut visible_next = block_visible(hidden_blocks, row, min(first + 1, last));
     if visible {
@@ -429,18 +431,19 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
             v_map,
             mask,
             bias,
-            block_table,
             coords,
             &mut keys,
             &mut values,
             &mut mask_stages,
             &mut bias_stages,
+            rows_of::<E, I>(block_table, k, v, coords, page_first, first, cfg),
             first,
             0,
             &barriers,
             cfg,
         );
     }
+    let mut page_next = page_of::<E, I>(block_table, k, coords, min(first + 1, last), cfg);
     let query = T::load_query(q, coords.q_base, coords.q_start, coords.band.seq_q, cfg);
     for block in first..end {
         let stage = (block - first) % 2;
@@ -475,18 +478,19 @@ fn kv_loop_pipelined<E: Float, M: Int, T: AttentionTile<E>>(
                 v_map,
                 mask,
                 bias,
-                block_table,
                 coords,
                 &mut keys,
                 &mut values,
                 &mut mask_stages,
                 &mut bias_stages,
+                rows_of::<E, I>(block_table, k, v, coords, page_next, block + 1, cfg),
                 block + 1,
                 1 - stage,
                 &barriers,
                 cfg,
             );
         }
+        page_next = page_of::<E, I>(block_table, k, coords, min(block + 2, last), cfg);
         if visible {
             attend_block::<E, M, T>(
                 &query,
@@ -541,8 +545,8 @@ fn zero_value_tail<E: Float>(
     }
 }
 
-/// Issue the asynchronous copies of KV block `block` (its keys and values, and its blocks of the
-/// staged mask and bias) into stage `stage`, completing on that stage's barrier.
+/// Issue the asynchronous copies of KV block `block` (its keys and values from `rows`, and its
+/// blocks of the staged mask and bias) into stage `stage`, completing on that stage's barrier.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fetch_block<E: Float, M: Int>(
@@ -552,30 +556,18 @@ fn fetch_block<E: Float, M: Int>(
     v_map: &ComptimeOption<TensorMap<E, Tiled>>,
     mask: ComptimeOption<&Tensor<M>>,
     bias: ComptimeOption<&Tensor<E>>,
-    block_table: ComptimeOption<&Tensor<u32>>,
     coords: Coords,
     keys: &mut Shared<[E]>,
     values: &mut Shared<[E]>,
     mask_stages: &mut ComptimeOption<Shared<[M]>>,
     bias_stages: &mut ComptimeOption<Shared<[E]>>,
+    rows: BlockRows,
     block: usize,
     stage: usize,
     barriers: &StageBarriers,
     #[comptime] cfg: TileConfig,
 ) {
     let kv_start = block * cfg.block_kv;
-    let rows = block_rows::<E>(
-        block_table,
-        k,
-        v,
-        coords.batch,
-        coords.kv_head,
-        coords.k_base,
-        coords.v_base,
-        kv_start,
-        coords.band.seq_k,
-    )
-    .shifted(coords.k_row);
     #[comptime]
     if let (ComptimeOption::Some(k_map), ComptimeOption::Some(v_map)) = (k_map, v_map) {
         fetch_stage_tma::<E>(
@@ -621,6 +613,49 @@ fn fetch_block<E: Float, M: Int>(
     barriers.commit(stage);
 }
 
+/// The page KV block `block` of the cube's sequence lies in ([`block_page`]).
+#[cube]
+fn page_of<E: Float, I: Int>(
+    block_table: ComptimeOption<&Tensor<I>>,
+    k: &Tensor<E>,
+    coords: Coords,
+    block: usize,
+    #[comptime] cfg: TileConfig,
+) -> usize {
+    block_page::<E, I>(
+        block_table,
+        k,
+        coords.batch,
+        block * cfg.block_kv,
+        coords.band.seq_k,
+    )
+}
+
+/// The rows KV block `block` of the cube's head is read from in `page` ([`block_rows`]).
+#[cube]
+fn rows_of<E: Float, I: Int>(
+    block_table: ComptimeOption<&Tensor<I>>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    coords: Coords,
+    page: usize,
+    block: usize,
+    #[comptime] cfg: TileConfig,
+) -> BlockRows {
+    block_rows::<E, I>(
+        block_table,
+        k,
+        v,
+        page,
+        coords.kv_head,
+        coords.k_base,
+        coords.v_base,
+        block * cfg.block_kv,
+        coords.band.seq_k,
+    )
+    .shifted(coords.k_row)
+}
+
 /// Issue the copies of the single-stage bias block of the keys from `kv_start`, completing on
 /// `bias_ready`, if the bias is staged that way.
 #[cube]
@@ -662,13 +697,13 @@ fn single_bias_barrier(#[comptime] cfg: TileConfig) -> ComptimeOption<Shared<Bar
 /// synchronised around it; the query rows are returned for the epilogue.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
+fn kv_loop<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
     mask: ComptimeOption<&Tensor<M>>,
     bias: ComptimeOption<&Tensor<E>>,
-    block_table: ComptimeOption<&Tensor<u32>>,
+    block_table: ComptimeOption<&Tensor<I>>,
     coords: Coords,
     first: usize,
     end: usize,
@@ -683,18 +718,8 @@ fn kv_loop<E: Float, M: Int, T: AttentionTile<E>>(
     let mut values = Shared::<[E]>::new_slice(cfg.block_kv * cfg.value_dim);
     for block in first..end {
         let first_row = block * cfg.block_kv;
-        let rows = block_rows::<E>(
-            block_table,
-            k,
-            v,
-            coords.batch,
-            coords.kv_head,
-            coords.k_base,
-            coords.v_base,
-            first_row,
-            coords.band.seq_k,
-        )
-        .shifted(coords.k_row);
+        let page = page_of::<E, I>(block_table, k, coords, block, cfg);
+        let rows = rows_of::<E, I>(block_table, k, v, coords, page, block, cfg);
         sync_cube();
         load_block::<E>(
             k,

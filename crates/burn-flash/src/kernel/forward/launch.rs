@@ -15,8 +15,8 @@ use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::{cube_count, cube_dim};
 use crate::kernel::pack::pack_mask;
 use crate::kernel::tensors::{
-    CachedKeys, F32, KernelTensor, PackedRows, ScoreInputs, U32, address_type, output, stage_map,
-    tma_aligned,
+    CachedKeys, F32, I32, KernelTensor, PackedRows, ScoreInputs, U32, address_type, output,
+    stage_map, tma_aligned,
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 use crate::kernel::tuning::flag_override;
@@ -262,7 +262,9 @@ fn launch(
     if address == AddressType::U64 {
         crate::testing::record_wide_forward();
     }
-    let dtypes = [q.dtype, inputs.mask_dtype()];
+    // Key lengths and block tables are read as they come, u32 or i32.
+    let index_dtype = cached.as_ref().map_or(U32, |c| c.lengths.dtype);
+    let dtypes = [q.dtype, inputs.mask_dtype(), index_dtype];
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
 
     // SAFETY: shapes and strides were validated by the caller; every index the kernel forms is
@@ -360,16 +362,21 @@ fn pack_override() -> Option<bool> {
 }
 
 impl CachedKeys {
-    /// These keys with `batch` u32 lengths and a u32 block table of `batch` rows, contiguous.
+    /// These keys with `batch` lengths and a block table of `batch` rows, contiguous, both u32
+    /// or both i32.
     ///
     /// # Panics
     ///
     /// Where the lengths or the table have another shape or dtype.
     fn checked(self, batch: usize) -> Self {
+        let dtype = self.lengths.dtype;
         let check = |t: &KernelTensor, what: &str, rank: usize| {
             assert!(
-                t.dtype == U32 && t.meta.shape().len() == rank && t.meta.shape()[0] == batch,
-                "{what} are {batch} rows of u32, not {:?} {:?}",
+                [U32, I32].contains(&t.dtype)
+                    && t.dtype == dtype
+                    && t.meta.shape().len() == rank
+                    && t.meta.shape()[0] == batch,
+                "{what} are {batch} rows of u32 or i32 (one dtype for both), not {:?} {:?}",
                 t.meta.shape(),
                 t.dtype
             );

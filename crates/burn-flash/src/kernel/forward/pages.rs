@@ -36,7 +36,10 @@ impl BlockRows {
 
 /// Keys each sequence can hold: `k`'s rows, or with a block table its pages' rows.
 #[cube]
-pub fn key_capacity<E: Float>(k: &Tensor<E>, block_table: ComptimeOption<&Tensor<u32>>) -> usize {
+pub fn key_capacity<E: Float, I: Int>(
+    k: &Tensor<E>,
+    block_table: ComptimeOption<&Tensor<I>>,
+) -> usize {
     let mut rows = k.shape(2);
     #[comptime]
     if let ComptimeOption::Some(table) = block_table {
@@ -45,17 +48,44 @@ pub fn key_capacity<E: Float>(k: &Tensor<E>, block_table: ComptimeOption<&Tensor
     rows
 }
 
-/// The rows of keys `[kv_start, kv_start + block)` of `batch`'s key/value head `kv_head`, whose
-/// rows start at `k_base` and `v_base` in a cache of its own, over a sequence of `seq_k` keys
-/// (`kv_start < seq_k`). A page number past the cache is clamped into it: a bad table reads
-/// wrong keys, never outside the tensors.
+/// Where the keys `[kv_start, kv_start + block)` of sequence `batch` lie: in a paged cache the
+/// page its block table maps them to, else `batch`, the sequence's own rows. Only a block the
+/// sequence reaches (`kv_start < seq_k`) reads the table; the others stand on page 0, and are
+/// never read. A page number outside the cache is clamped into it (a negative one to page 0):
+/// a bad table reads wrong keys, never outside the tensors.
+#[cube]
+pub fn block_page<E: Float, I: Int>(
+    block_table: ComptimeOption<&Tensor<I>>,
+    k: &Tensor<E>,
+    batch: usize,
+    kv_start: usize,
+    seq_k: usize,
+) -> usize {
+    let mut page = batch;
+    #[comptime]
+    if let ComptimeOption::Some(table) = block_table {
+        page = 0;
+        if kv_start < seq_k {
+            let entry = batch * table.stride(0) + (kv_start / k.shape(2)) * table.stride(1);
+            page = min(
+                usize::cast_from(max(table[entry], I::new(0))),
+                k.shape(0) - 1,
+            );
+        }
+    }
+    page
+}
+
+/// The rows of keys `[kv_start, kv_start + block)` of key/value head `kv_head` in `page`
+/// ([`block_page`]), over a sequence of `seq_k` keys: with a block table, the page's rows;
+/// else the sequence's own, whose head's rows start at `k_base` and `v_base`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn block_rows<E: Float>(
-    block_table: ComptimeOption<&Tensor<u32>>,
+pub fn block_rows<E: Float, I: Int>(
+    block_table: ComptimeOption<&Tensor<I>>,
     k: &Tensor<E>,
     v: &Tensor<E>,
-    batch: usize,
+    page: usize,
     kv_head: usize,
     k_base: usize,
     v_base: usize,
@@ -63,23 +93,19 @@ pub fn block_rows<E: Float>(
     seq_k: usize,
 ) -> BlockRows {
     let mut rows = BlockRows {
-        outer: batch,
+        outer: page,
         k_base,
         v_base,
         first: kv_start,
         end: seq_k,
     };
     #[comptime]
-    if let ComptimeOption::Some(table) = block_table {
-        let page_rows = k.shape(2);
-        let entry = batch * table.stride(0) + (kv_start / page_rows) * table.stride(1);
-        let page = min(usize::cast_from(table[entry]), k.shape(0) - 1);
-        let first = kv_start % page_rows;
-        rows.outer = page;
+    if let ComptimeOption::Some(_) = block_table {
+        let first = kv_start % k.shape(2);
         rows.k_base = page * k.stride(0) + kv_head * k.stride(1);
         rows.v_base = page * v.stride(0) + kv_head * v.stride(1);
         rows.first = first;
-        rows.end = first + (seq_k - kv_start);
+        rows.end = first + (seq_k - min(kv_start, seq_k));
     }
     rows
 }

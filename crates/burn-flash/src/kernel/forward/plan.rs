@@ -267,12 +267,13 @@ fn tensor_core_override() -> Option<(usize, usize, usize)> {
 /// Block shapes of the tensor-core forward for at most [`SHORT_QUERY_ROWS`] query rows (a
 /// decoding step, grouped heads packed into rows, a short speculative chunk) without score
 /// inputs, head dims up to 128: 16-row planes, so that a block's rows are not mostly empty and
-/// more cubes share an SM. One plane where the row blocks are fewer than the SMs (the keys are
-/// then split across cubes), four where they fill the card. On the H200 at head dim 128 this
-/// read the cache at 3.8–4.5 TB/s against 2.5–2.7 with the 128-row blocks: 0.136 against
-/// 0.209 ms (b 8, 32/8 heads, 16k keys), 0.957 against 1.586 ms (b 64), 0.542 against
-/// 0.858 ms (b 1, 32/32 heads, 128k keys) (docs/perf-notes.md, 2026-11-29). `None` elsewhere,
-/// or where `BURN_FLASH_TC_SHAPE` decides.
+/// more cubes share an SM. On the H200 at head dim 128 this read the cache at 3.8–4.5 TB/s
+/// against 2.5–2.7 with the 128-row blocks (docs/perf-notes.md, 2026-11-29). One plane (three
+/// cubes an SM at head dim 128, the most bytes in flight), except where the one-plane grid takes
+/// more than one wave but less than two and four planes (two cubes an SM) fill their last wave
+/// better: there the short second wave is the tail. On the H200 (2026-11-30) one plane read
+/// 256 and 2,048 row blocks 1–5 % faster than four, and four read 512 row blocks 5–7 % faster
+/// than one. `None` elsewhere, or where `BURN_FLASH_TC_SHAPE` decides.
 fn short_query_shapes(
     caps: &DeviceCaps,
     tile: TilePath,
@@ -287,18 +288,23 @@ fn short_query_shapes(
         && plain
         && tensor_core_override().is_none();
     let sms = caps.sms.filter(|_| short)?;
-    let planes = if problem.heads * problem.batch >= sms {
+    let shapes =
+        |planes| TileConfig::tensor_core(problem.head_dim, problem.value_dim, planes, 16, 64);
+    // One row block per (batch, head): the query rows fit one plane's 16.
+    let row_blocks = problem.heads * problem.batch;
+    let slots = |cfg: &TileConfig| {
+        sms * (caps.shared_memory / cfg.shared_bytes(problem.dtype.size())).max(1)
+    };
+    let last_wave_fill =
+        |slots: usize| row_blocks as f64 / (row_blocks.div_ceil(slots) * slots) as f64;
+    let (one, four) = (slots(&shapes(1)), slots(&shapes(4)));
+    let tail = row_blocks > one && row_blocks < 2 * one;
+    let planes = if tail && last_wave_fill(four) > last_wave_fill(one) {
         4
     } else {
         1
     };
-    Some(TileConfig::tensor_core(
-        problem.head_dim,
-        problem.value_dim,
-        planes,
-        16,
-        64,
-    ))
+    Some(shapes(planes))
 }
 
 /// The query rows up to which [`short_query_shapes`] applies: one 16-row plane.
@@ -307,10 +313,13 @@ const SHORT_QUERY_ROWS: usize = 16;
 /// Cubes each row block's keys are split across: [`ScoreParams::kv_splits`] where the caller
 /// chose, else more than one only where every (batch, head) pair is one row block (decoding,
 /// speculative verification) and those blocks are fewer than the device's SMs. Then the
-/// smallest power of two that gives 1.5 cubes an SM or more, each split keeping
-/// [`MIN_SPLIT_BLOCKS`] key blocks, at most [`MAX_SPLITS`]. On the H200 at head dim 128, 32
-/// row blocks over 4k–128k keys ran 2.1–5.1× faster split 8 ways than whole, and 256 row
-/// blocks whole within 2 % of split or faster (docs/perf-notes.md, 2026-11-29).
+/// smallest power of two that gives 1.5 cubes an SM or more, each split keeping a key block at
+/// least, at most [`MAX_SPLITS`]. On the H200 at head dim 128, 32 row blocks over 4k–128k keys
+/// ran 2.1–5.1× faster split 8 ways than whole, and 256 row blocks whole within 2 % of split
+/// or faster (docs/perf-notes.md, 2026-11-29). Splits of a single block are the fastest where
+/// the row blocks are few since the merge's loads are unrolled ([`combine`](super::combine)):
+/// 4 row blocks over 4k keys took 0.0149 ms split 64 ways, 0.0164 split 16 ways (H200,
+/// 2026-11-30).
 /// `BURN_FLASH_KV_SPLITS=N` decides instead (tuning runs).
 fn kv_splits(caps: &DeviceCaps, cfg: &TileConfig, problem: &ForwardProblem) -> usize {
     static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
@@ -330,18 +339,13 @@ fn kv_splits(caps: &DeviceCaps, cfg: &TileConfig, problem: &ForwardProblem) -> u
     if problem.seq_q > cfg.block_q || row_blocks >= sms {
         return 1;
     }
-    let most = (problem.seq_k.div_ceil(cfg.block_kv) / MIN_SPLIT_BLOCKS).clamp(1, MAX_SPLITS);
+    let most = problem.seq_k.div_ceil(cfg.block_kv).clamp(1, MAX_SPLITS);
     let mut splits = 1;
     while splits * 2 <= most && 2 * row_blocks * splits < 3 * sms {
         splits *= 2;
     }
     splits
 }
-
-/// Key blocks each split of a row block keeps at least: fewer leave the merge and the
-/// pipeline's fill a large share of a split's time (32 splits of 2 blocks ran 1.4× slower than
-/// 8 of 8 on the H200).
-const MIN_SPLIT_BLOCKS: usize = 4;
 
 /// The most cubes one row block's keys are split across.
 const MAX_SPLITS: usize = 64;
@@ -674,9 +678,12 @@ mod tests {
         let h100 = caps::h100();
         // 32 row blocks on 132 SMs: 8 splits give 256 cubes, 1.9 an SM.
         assert_eq!(splits(&h100, &decode(1, 32, 1, 16384)), 8);
-        // Each split keeps 4 key blocks of 64: 512 keys split 2 ways only.
-        assert_eq!(splits(&h100, &decode(1, 32, 1, 512)), 2);
-        assert_eq!(splits(&h100, &decode(1, 32, 1, 100)), 1);
+        // 4 row blocks: 64 splits, 256 cubes; each split keeps a key block of 64 at least, so
+        // 512 keys split 8 ways and 100 keys 2 ways.
+        assert_eq!(splits(&h100, &decode(1, 4, 1, 4096)), 64);
+        assert_eq!(splits(&h100, &decode(1, 32, 1, 512)), 8);
+        assert_eq!(splits(&h100, &decode(1, 32, 1, 100)), 2);
+        assert_eq!(splits(&h100, &decode(1, 32, 1, 64)), 1);
         // 256 row blocks fill the SMs; so do long query blocks.
         assert_eq!(splits(&h100, &decode(8, 32, 1, 16384)), 1);
         assert_eq!(splits(&h100, &decode(1, 4, 1024, 16384)), 1);
@@ -711,9 +718,12 @@ mod tests {
             (cfg.planes, cfg.plane_rows, cfg.block_kv)
         };
         // 8 key/value heads of 4 packed query rows, 64 row blocks on 132 SMs: one plane, keys
-        // split; 512 row blocks fill the card: four planes.
+        // split. One-plane cubes (three an SM) hold 396 row blocks at once: 256 and 2,048 keep
+        // one plane, 512 would leave a second wave of 116 and take four planes (264 at once).
         assert_eq!(shape(&decode(8, 8, 4, 128)), (1, 16, 64));
+        assert_eq!(shape(&decode(8, 32, 1, 128)), (1, 16, 64));
         assert_eq!(shape(&decode(64, 8, 4, 128)), (4, 16, 64));
+        assert_eq!(shape(&decode(64, 32, 1, 128)), (1, 16, 64));
         // Longer query blocks, wider heads and score inputs keep the default shapes.
         assert_eq!(shape(&decode(8, 8, 17, 128)), (4, 32, 64));
         assert_eq!(shape(&decode(8, 8, 4, 256)), (8, 16, 64));

@@ -11,7 +11,7 @@ use crate::kernel::config::WarpgroupConfig;
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::{cube_count, cube_dim};
 use crate::kernel::sources::base::{Placeholder, PlannedKernel, Problem, Target};
-use crate::kernel::tensors::{F32, ScoreInputs, stage_map_of};
+use crate::kernel::tensors::{F32, ScoreInputs, U32, stage_map_of};
 use crate::kernel::tile::{MmaTile, PortableTile};
 
 /// The forward of `problem` on `target`: the kernel its plan picks, with the arguments
@@ -93,7 +93,7 @@ pub fn forward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>,
     let cube_dim = cube_dim(&cfg);
     let cube_count = cube_count(&cfg, seq, heads, batch, 1);
     let address = Placeholder::address_type(&[&q, &k, &v, &out]);
-    let dtypes = [dtype, inputs.mask_dtype()];
+    let dtypes = [dtype, inputs.mask_dtype(), U32];
     let (seed_lo, seed_hi, threshold) = params.dropout_args();
 
     macro_rules! planned {

@@ -275,6 +275,16 @@ fn per_sequence_key_lengths_match_the_reference() {
             Case::new(2, 2, 70, 130, 32).causal().key_lengths(&[100, 3]),
             1,
         ),
+        // i32 lengths, as Burn's integer tensors come, read without a cast: a negative one
+        // holds no key.
+        (
+            Case::new(6, 8, 1, 90, 64)
+                .kv_heads(2)
+                .causal()
+                .key_lengths(&[-5, 0, 1, 64, 90, 500])
+                .signed_indices(),
+            3,
+        ),
     ];
     for (seed, (case, splits)) in cases.iter().enumerate() {
         let adjust = |params: ScoreParams| params.with_pack_groups(true).with_kv_splits(*splits);
@@ -320,6 +330,16 @@ fn paged_keys_match_the_reference() {
                 .key_lengths(&lengths)
                 .pages(16),
             1,
+        ),
+        // An i32 table and lengths.
+        (
+            Case::new(6, 8, 1, 130, 64)
+                .kv_heads(2)
+                .causal()
+                .key_lengths(&[77, -1, 1, 37, 64, 130])
+                .pages(32)
+                .signed_indices(),
+            2,
         ),
     ];
     for (seed, (case, splits)) in cases.iter().enumerate() {

@@ -70,10 +70,12 @@ pub struct Case {
     pub mask: Option<[usize; 4]>,
     /// `[b|1, h|1, sq|1, sk]` dims of an additive bias input.
     pub bias: Option<[usize; 4]>,
-    /// Each sequence's key length (`[b]`): only its first keys exist.
-    pub key_lengths: Option<Vec<u32>>,
+    /// Each sequence's key length (`[b]`): only its first keys exist (none where negative).
+    pub key_lengths: Option<Vec<i64>>,
     /// Keys and values in shuffled pages of this many rows, found through a block table.
     pub page_size: Option<usize>,
+    /// The lengths and the block table reach the kernel as i32 (else u32).
+    pub signed_indices: bool,
 }
 
 impl Case {
@@ -91,6 +93,7 @@ impl Case {
             bias: None,
             key_lengths: None,
             page_size: None,
+            signed_indices: false,
         }
     }
 
@@ -124,17 +127,23 @@ impl Case {
         self
     }
 
-    pub fn key_lengths(mut self, lengths: &[u32]) -> Self {
+    pub fn key_lengths(mut self, lengths: &[i64]) -> Self {
         assert_eq!(lengths.len(), self.batch);
         self.key_lengths = Some(lengths.to_vec());
         self
     }
 
-    /// Sequence `b`'s keys: its length, where the case has lengths, capped at the rows.
+    /// The lengths and the block table as i32, as Burn's integer tensors come by default.
+    pub fn signed_indices(mut self) -> Self {
+        self.signed_indices = true;
+        self
+    }
+
+    /// Sequence `b`'s keys: its length, where the case has lengths, clamped into the rows.
     pub fn key_length(&self, b: usize) -> usize {
-        self.key_lengths
-            .as_ref()
-            .map_or(self.seq_k, |lengths| self.seq_k.min(lengths[b] as usize))
+        self.key_lengths.as_ref().map_or(self.seq_k, |lengths| {
+            lengths[b].clamp(0, self.seq_k as i64) as usize
+        })
     }
 
     pub fn pages(mut self, page_size: usize) -> Self {
@@ -243,7 +252,16 @@ impl Inputs {
         let Some(lengths) = &case.key_lengths else {
             return (k, v, None);
         };
-        let lengths = KernelTensor::from_values(client, lengths, [case.batch]);
+        let indices = |values: Vec<i64>, dims: Vec<usize>| {
+            if case.signed_indices {
+                let values: Vec<i32> = values.iter().map(|&x| x as i32).collect();
+                KernelTensor::from_values(client, &values, dims)
+            } else {
+                let values: Vec<u32> = values.iter().map(|&x| x as u32).collect();
+                KernelTensor::from_values(client, &values, dims)
+            }
+        };
+        let lengths = indices(lengths.clone(), vec![case.batch]);
         let Some(page) = case.page_size else {
             let cached = super::CachedKeys {
                 lengths,
@@ -286,10 +304,9 @@ impl Inputs {
         };
         let cached = super::CachedKeys {
             lengths,
-            block_table: Some(KernelTensor::from_values(
-                client,
-                &table,
-                [case.batch, per_sequence],
+            block_table: Some(indices(
+                table.iter().map(|&page| page as i64).collect(),
+                vec![case.batch, per_sequence],
             )),
         };
         (
