@@ -36,6 +36,10 @@ pub struct DeviceCaps {
     pub shared_memory: usize,
     /// Tensor maps and the copy engine behind them (CUDA from SM90).
     pub tma: bool,
+    /// Warpgroup MMA (`wgmma`, SM90 only). CubeCL 0.12 reports no compute capability: it
+    /// registers tensor maps from SM90 and wide im2col maps from SM100, which has no `wgmma`,
+    /// so the first without the second is SM90.
+    pub wgmma: bool,
     /// f32 atomic adds of 1, 2 and 4 lanes at once.
     pub atomic_add_f32: [bool; 3],
     /// Streaming multiprocessors, where the runtime tells.
@@ -76,6 +80,7 @@ impl DeviceCaps {
                 && props.hardware.plane_size_max == 32,
             shared_memory: props.hardware.max_shared_memory_size,
             tma: features.tma.contains(Tma::Base),
+            wgmma: features.tma.contains(Tma::Base) && !features.tma.contains(Tma::Im2colWide),
             atomic_add_f32: [adds(1), adds(2), adds(4)],
             sms: props
                 .hardware
@@ -161,6 +166,7 @@ pub mod caps {
             tensor_cores: true,
             shared_memory: 227 * 1024,
             tma: true,
+            wgmma: true,
             atomic_add_f32: [true, true, true],
             sms: Some(132),
             max_cube_count: (u32::MAX, 65535, 65535),
@@ -172,6 +178,7 @@ pub mod caps {
         DeviceCaps {
             shared_memory: 163 * 1024,
             tma: false,
+            wgmma: false,
             atomic_add_f32: [true, false, false],
             sms: Some(108),
             ..h100()
@@ -185,6 +192,7 @@ pub mod caps {
             tensor_cores: false,
             shared_memory: 32 * 1024,
             tma: false,
+            wgmma: false,
             atomic_add_f32: [true, false, false],
             sms: None,
             max_cube_count: (65535, 65535, 65535),

@@ -197,7 +197,7 @@ fn warpgroup_asked() -> bool {
 }
 
 /// The Hopper forward's blocks ([`warpgroup`](super::warpgroup)) where it can run the problem:
-/// the tensor-core tile with tensor maps (SM90; the products need SM90a, which SM100 lacks),
+/// the tensor-core tile on a device with warpgroup products (SM90: [`DeviceCaps::wgmma`]),
 /// head dim 64 or 128 for queries and values alike, plain or causal attention over whole
 /// batches of keys (no mask or bias input, window's left side, softcap, dropout, ALiBi, key
 /// lengths, pages, packed sequences or split keys). `BURN_FLASH_WARPGROUPS=2|3` overrides its
@@ -221,7 +221,7 @@ fn warpgroup_blocks(
         warpgroups: warpgroups.unwrap_or(blocks.warpgroups),
         ..blocks
     };
-    let runs = caps.tma
+    let runs = caps.wgmma
         && cfg.tile == TilePath::TensorCore
         && matches!(problem.head_dim, 64 | 128)
         && problem.value_dim == problem.head_dim
@@ -553,6 +553,12 @@ mod tests {
             ..plain
         };
         assert_eq!(blocks(&caps::h100(), &decode), None, "split keys");
+        // SM100 has tensor maps but no warpgroup products.
+        let sm100 = DeviceCaps {
+            wgmma: false,
+            ..caps::h100()
+        };
+        assert_eq!(blocks(&sm100, &plain), None);
     }
 
     #[test]
