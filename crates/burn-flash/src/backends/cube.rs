@@ -49,23 +49,9 @@ fn kernel_inputs(inputs: ScoreInputs<CubeBackend>) -> kernel::ScoreInputs {
     kernel::ScoreInputs::new(mask.map(to_kernel), bias.map(to_kernel))
 }
 
-/// An integer tensor as the kernels read it: u32.
-fn unsigned(t: IntTensor<CubeBackend>) -> CubeTensor {
-    match t.dtype {
-        DType::U32 => t,
-        _ => cast(t, DType::U32),
-    }
-}
-
-/// An integer tensor of 32 bits as it is (the forward reads key lengths and block tables as u32
-/// or i32, so Burn's default i32 costs no cast per call), any other cast to `like`'s dtype,
-/// or to i32.
-fn thirty_two_bit(t: IntTensor<CubeBackend>, like: Option<DType>) -> CubeTensor {
-    match (t.dtype, like) {
-        (DType::U32 | DType::I32, None) => t,
-        (dtype, Some(like)) if dtype == like => t,
-        (_, like) => cast(t, like.unwrap_or(DType::I32)),
-    }
+/// An integer tensor in `dtype`, cast only where it is in another.
+fn in_dtype(t: IntTensor<CubeBackend>, dtype: DType) -> CubeTensor {
+    if t.dtype == dtype { t } else { cast(t, dtype) }
 }
 
 /// The kernels' view of packed sequences, and the score parameters over the longest one
@@ -84,7 +70,7 @@ fn packed_rows(
     let params = kernel::ScoreParams::new(options, shape[1], shape[3], max_query, max_key)
         .with_key_lengths(options);
     let packed = kernel::PackedRows {
-        starts: to_kernel(unsigned(starts)),
+        starts: to_kernel(in_dtype(starts, DType::U32)),
         max_query,
         max_key,
     };
@@ -154,11 +140,14 @@ impl FlashAttentionBackend for CubeBackend {
         let params = kernel::ScoreParams::new(&options, shape[1], shape[3], shape[2], seq_k)
             .with_key_lengths(&options);
         let device = q.device.clone();
-        let lengths = thirty_two_bit(cached.0, None);
-        let like = Some(lengths.dtype);
+        // Burn's default i32, and u32, cost no cast per call; the table follows the lengths.
+        let dtype = match cached.0.dtype {
+            DType::U32 => DType::U32,
+            _ => DType::I32,
+        };
         let cached = kernel::CachedKeys {
-            lengths: to_kernel(lengths),
-            block_table: cached.1.map(|table| to_kernel(thirty_two_bit(table, like))),
+            lengths: to_kernel(in_dtype(cached.0, dtype)),
+            block_table: cached.1.map(|table| to_kernel(in_dtype(table, dtype))),
         };
         let (output, _) = kernel::forward(
             to_kernel(q),

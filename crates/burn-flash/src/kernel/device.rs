@@ -111,11 +111,13 @@ impl DeviceCaps {
         Ok(())
     }
 
-    /// Cubes of a tensor-core launch an SM holds with `bytes` of shared memory each: an SM has
-    /// 1 KiB more than one cube may use and reserves 1 KiB per cube, and at up to 255 registers
-    /// for each of a cube's 128 units the register file holds two.
-    pub fn cubes_per_sm(&self, bytes: usize) -> usize {
-        ((self.shared_memory + 1024) / (bytes + 1024)).min(2)
+    /// Cubes of a tensor-core launch an SM holds with `bytes` of shared memory and `units`
+    /// units each: an SM has 1 KiB more than one cube may use and reserves 1 KiB per cube, and
+    /// at up to 255 registers a unit its 64K registers hold `65536 / (255 · units)` cubes (two
+    /// of 128 units, eight of 32).
+    pub fn cubes_per_sm(&self, bytes: usize, units: usize) -> usize {
+        let by_registers = (65536 / (255 * units.max(1))).max(1);
+        ((self.shared_memory + 1024) / (bytes + 1024)).min(by_registers)
     }
 
     /// The tile for this dtype and head dims, shared memory not yet checked: tensor cores where

@@ -293,7 +293,7 @@ fn short_query_shapes(
     // One row block per (batch, head): the query rows fit one plane's 16.
     let row_blocks = problem.heads * problem.batch;
     let slots = |cfg: &TileConfig| {
-        sms * (caps.shared_memory / cfg.shared_bytes(problem.dtype.size())).max(1)
+        sms * caps.cubes_per_sm(cfg.shared_bytes(problem.dtype.size()), cfg.units())
     };
     let last_wave_fill =
         |slots: usize| row_blocks as f64 / (row_blocks.div_ceil(slots) * slots) as f64;
@@ -458,7 +458,10 @@ fn staging(caps: &DeviceCaps, cfg: &TileConfig, inputs: &ScoreFacts, dtype: Elem
     let prefer_single =
         match STAGES.get_or_init(|| choice_override("BURN_FLASH_BIAS_STAGES", &[1, 2])) {
             Some(stages) => *stages == 1,
-            None => caps.cubes_per_sm(bytes(single)) > caps.cubes_per_sm(bytes(staged)),
+            None => {
+                let units = cfg.units();
+                caps.cubes_per_sm(bytes(single), units) > caps.cubes_per_sm(bytes(staged), units)
+            }
         };
     if prefer_single { single } else { staged }
 }
@@ -509,8 +512,8 @@ mod tests {
         }
     }
 
-    /// The Hopper forward takes plain and causal attention at head dims 64 and 128 where
-    /// tensor maps exist, and leaves every other problem to the tensor-core tile.
+    /// The Hopper forward takes plain and causal attention at head dims 64 and 128 on SM90, and
+    /// leaves every other problem to the tensor-core tile.
     #[test]
     fn warpgroup_forward_where_it_covers_the_problem() {
         let blocks = |caps: &DeviceCaps, problem: &ForwardProblem| {
