@@ -126,9 +126,10 @@ impl ForwardPlan {
             cfg,
             pack_mask,
             kv_splits,
-            warpgroup: warpgroup_asked()
-                .then(|| warpgroup_blocks(caps, &cfg, problem))
-                .flatten(),
+            warpgroup: warpgroup_blocks(caps, &cfg, problem).filter(|blocks| {
+                cfg!(feature = "cuda")
+                    && warpgroup_override().unwrap_or_else(|| warpgroup_pays(blocks, problem))
+            }),
         })
     }
 }
@@ -186,14 +187,26 @@ impl fmt::Display for ForwardPlan {
     }
 }
 
-/// Whether this build takes the Hopper forward where it can: a CUDA build asked for it by
-/// `BURN_FLASH_WARPGROUP=1` (it does not yet lead the tensor-core tile at every shape, see
-/// `docs/hopper.md`).
-fn warpgroup_asked() -> bool {
-    static ASKED: OnceLock<bool> = OnceLock::new();
-    *ASKED.get_or_init(|| {
-        cfg!(feature = "cuda") && flag_override("BURN_FLASH_WARPGROUP") == Some(true)
-    })
+/// `BURN_FLASH_WARPGROUP=0|1`: the Hopper forward never or wherever it can run, for tuning runs.
+fn warpgroup_override() -> Option<bool> {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP"))
+}
+
+/// Keys a query block walks from which the Hopper forward leads the tensor-core tile.
+const WARPGROUP_MIN_KEYS: usize = 2048;
+
+/// Whether the Hopper forward leads the tensor-core tile on this problem: where every query
+/// block is whole and walks 2048 keys or more (half the keys under a causal mask). Measured on
+/// the H200 (`docs/hopper.md`): +18–29 % at 2k and 4k keys; under 2k, or with a partial query
+/// block, the warpgroups' longer prologue costs more than their products save.
+fn warpgroup_pays(blocks: &WarpgroupConfig, problem: &ForwardProblem) -> bool {
+    let walked = if blocks.causal {
+        problem.seq_k / 2
+    } else {
+        problem.seq_k
+    };
+    problem.seq_q >= blocks.block_q() && walked >= WARPGROUP_MIN_KEYS
 }
 
 /// The Hopper forward's blocks ([`warpgroup`](super::warpgroup)) where it can run the problem:
@@ -562,6 +575,28 @@ mod tests {
             ..caps::h100()
         };
         assert_eq!(blocks(&sm100, &plain), None);
+    }
+
+    /// By default the Hopper forward takes whole query blocks over 2048 walked keys or more.
+    #[test]
+    fn warpgroup_forward_by_default_over_long_keys() {
+        let at = |seq_q: usize, seq_k: usize, causal: bool| {
+            let options = FlashAttentionOptions::new().with_causal(causal);
+            let problem = ForwardProblem {
+                seq_q,
+                seq_k,
+                ..problem(64, options, ScoreFacts::default())
+            };
+            let cfg = ForwardPlan::new(&caps::h100(), &problem).unwrap().cfg;
+            warpgroup_blocks(&caps::h100(), &cfg, &problem)
+                .is_some_and(|blocks| warpgroup_pays(&blocks, &problem))
+        };
+        assert!(at(4096, 4096, false));
+        assert!(at(2048, 2048, false));
+        assert!(!at(1024, 1024, false), "short keys: the tile");
+        assert!(at(4096, 4096, true));
+        assert!(!at(2048, 2048, true), "causal 2k walks 1k keys");
+        assert!(!at(100, 4096, false), "a partial query block");
     }
 
     #[test]
