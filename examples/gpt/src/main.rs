@@ -362,8 +362,12 @@ fn train_on(args: &Args, devices: &[Device], name: &str) -> Result<(), String> {
         .map_err(|e| format!("writing the loss curve: {e}"))?;
 
     println!("\nsample:\n{}\n", report.sample);
-    if let Some(rate) = report.generation_tokens_per_second {
-        println!("generation: {rate:.1} tokens/s, one at a time through key/value caches");
+    if let Some(rate) = report.generation {
+        println!(
+            "generation: {:.1} tokens/s (median step {:.2} ms), one at a time through key/value caches",
+            rate.tokens_per_second,
+            rate.median_step.as_secs_f64() * 1e3
+        );
     }
     println!(
         "summary: {name} x{} {dtype:?} attention {kernel:?} | {} steps x {} tokens in {:.1} s | {} tokens/s (steps {}..) | \

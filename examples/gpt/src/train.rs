@@ -98,9 +98,18 @@ pub struct Report {
     pub peak_reserved: Option<u64>,
     /// `prompt` continued by the trained model.
     pub sample: String,
-    /// Bytes the sample's generation produced per second, one at a time through key/value
-    /// caches (sampling on the host included), if it produced any so.
-    pub generation_tokens_per_second: Option<f64>,
+    /// The rate of the sample's generation one byte at a time through key/value caches, if
+    /// it produced any so.
+    pub generation: Option<GenerationRate>,
+}
+
+/// How fast single-byte generation steps ran (sampling on the host included).
+#[derive(Clone, Copy, Debug)]
+pub struct GenerationRate {
+    /// Bytes per second over all the steps, their first kernel compilations included.
+    pub tokens_per_second: f64,
+    /// The median step, which compilations and autotuning do not move.
+    pub median_step: Duration,
 }
 
 /// Train `model` on windows of `train_text`, validating on `val_text`, on `devices` (autodiff
@@ -199,7 +208,7 @@ pub fn train(
     }
     progress.finish();
 
-    let (sample, generation_tokens_per_second) = generate(
+    let (sample, generation) = generate(
         &gathered(&model),
         &s.prompt,
         s.sample_len,
@@ -215,7 +224,7 @@ pub fn train(
         train_time,
         peak_reserved,
         sample,
-        generation_tokens_per_second,
+        generation,
     })
 }
 
@@ -289,14 +298,14 @@ fn evaluate(model: &Gpt, batches: &[Batch], device: &Device) -> f64 {
 /// through key/value caches: the window (the prompt's end, left-padded with newlines to half
 /// the context) is run once, then each new byte alone at the next position; when the positions
 /// run out, the last half context is run again into emptied caches. Returns the text and the
-/// generation's bytes per second (the single-byte steps, sampling on the host included).
+/// rate of the single-byte steps (sampling on the host included).
 fn generate(
     model: &Gpt,
     prompt: &str,
     len: usize,
     seed: u64,
     device: &Device,
-) -> (String, Option<f64>) {
+) -> (String, Option<GenerationRate>) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut tokens: Vec<i32> = prompt.bytes().map(i32::from).collect();
     let context = model.context();
@@ -304,7 +313,7 @@ fn generate(
     let mut caches = model.caches(1, device);
     let mut position = 0;
     let mut primed = false;
-    let (mut stepped, mut stepping) = (0, Duration::ZERO);
+    let mut steps = Vec::new();
     for _ in 0..len {
         let started = Instant::now();
         let single = primed && position < context;
@@ -343,12 +352,18 @@ fn generate(
             .unwrap_or(vocab - 1);
         tokens.push(token as i32);
         if single {
-            stepped += 1;
-            stepping += started.elapsed();
+            steps.push(started.elapsed());
         }
     }
     let bytes: Vec<u8> = tokens.iter().map(|&t| t as u8).collect();
-    let rate = (stepped > 0).then(|| stepped as f64 / stepping.as_secs_f64());
+    let rate = (!steps.is_empty()).then(|| {
+        let total: Duration = steps.iter().sum();
+        steps.sort();
+        GenerationRate {
+            tokens_per_second: steps.len() as f64 / total.as_secs_f64(),
+            median_step: steps[steps.len() / 2],
+        }
+    });
     (decode(&bytes), rate)
 }
 
