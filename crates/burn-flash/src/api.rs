@@ -13,7 +13,7 @@ use crate::backend::{FlashAttentionBackend, FlashAttentionProblem, ScoreInputs};
 use crate::error::FlashAttentionError;
 use crate::kernel::{self, TilePath};
 use crate::options::FlashAttentionOptions;
-use crate::support::flash_attention_support;
+use crate::support::{flash_attention_support, takes_warpgroup};
 
 /// The path an attention call takes, as decided by [`flash_attention_plan`].
 ///
@@ -31,6 +31,12 @@ use crate::support::flash_attention_support;
 pub enum FlashAttentionPlan {
     /// The fused kernel runs, with this matrix tile.
     Fused(TilePath),
+    /// The fused Hopper forward runs, on warpgroup products (`wgmma`): a CUDA build on an SM90
+    /// device (H100, H200), 16-bit inputs of head dim 64 or 128, plain or causal attention,
+    /// each query block walking 2048 keys or more (half the keys when causal), where it leads
+    /// the tensor-core tile (`BURN_FLASH_WARPGROUP=0|1` overrides the rule). Under autodiff the
+    /// backward runs on the tensor-core tile.
+    FusedWarpgroup,
     /// The fused kernel runs with this tile on inputs whose head dims it is not built for,
     /// zero-padded to `head_dim` (queries and keys) and `value_dim` (values): the scores and
     /// the output's first columns are unchanged, the extra columns are dropped, and under
@@ -64,7 +70,10 @@ impl FlashAttentionPlan {
     /// assert!(!FlashAttentionPlan::Fallback("head dim 72".into()).is_fused());
     /// ```
     pub fn is_fused(&self) -> bool {
-        matches!(self, Self::Fused(_) | Self::FusedPadded { .. })
+        matches!(
+            self,
+            Self::Fused(_) | Self::FusedWarpgroup | Self::FusedPadded { .. }
+        )
     }
 }
 
@@ -73,6 +82,7 @@ impl fmt::Display for FlashAttentionPlan {
         match self {
             Self::Fused(TilePath::TensorCore) => write!(f, "fused kernel (tensor-core tile)"),
             Self::Fused(TilePath::Portable) => write!(f, "fused kernel (portable tile)"),
+            Self::FusedWarpgroup => write!(f, "fused kernel (Hopper forward on wgmma)"),
             Self::FusedPadded {
                 tile,
                 head_dim,
@@ -94,7 +104,9 @@ impl fmt::Display for FlashAttentionPlan {
 }
 
 /// Which path [`flash_attention`] would take for these inputs, without running anything; or
-/// the error [`try_flash_attention`] would return.
+/// the error [`try_flash_attention`] would return. The Hopper forward
+/// ([`FlashAttentionPlan::FusedWarpgroup`]) is reported for inputs whose rows are 16-byte
+/// aligned, as contiguous ones are (a view that is not is read by the tensor-core tile).
 ///
 /// # Example
 ///
@@ -115,7 +127,15 @@ pub fn flash_attention_plan(
     v: &Tensor<4>,
     options: FlashAttentionOptions,
 ) -> Result<FlashAttentionPlan, FlashAttentionError> {
-    plan(q, k, v, options).map(|plan| plan.route)
+    let plan = plan(q, k, v, options)?;
+    Ok(match plan.route {
+        FlashAttentionPlan::Fused(TilePath::TensorCore)
+            if takes_warpgroup(q.device().as_dispatch(), &plan.problem, &options) =>
+        {
+            FlashAttentionPlan::FusedWarpgroup
+        }
+        route => route,
+    })
 }
 
 /// Fused attention, `softmax(scale · Q·Kᵀ [+ mask]) · V`, on `[batch, heads, seq, head_dim]`
@@ -375,7 +395,9 @@ pub fn try_flash_attention_masked(
     };
 
     Ok(match route {
-        FlashAttentionPlan::Fused(_) | FlashAttentionPlan::FusedPadded { .. } => {
+        FlashAttentionPlan::Fused(_)
+        | FlashAttentionPlan::FusedWarpgroup
+        | FlashAttentionPlan::FusedPadded { .. } => {
             let inputs = ScoreInputs::new(
                 mask.map(Tensor::into_dispatch),
                 bias.map(Tensor::into_dispatch),

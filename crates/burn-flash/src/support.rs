@@ -7,6 +7,7 @@ use burn_backend::cubecl::dtype_to_elem_type;
 
 use crate::backend::FlashAttentionProblem;
 use crate::kernel::{self, TilePath};
+use crate::options::FlashAttentionOptions;
 
 /// Whether the fused forward can run this problem on this device, and with which matrix tile;
 /// `Err` carries the reason it cannot (a backend without the kernels, a dtype, a head dim, a
@@ -70,5 +71,39 @@ fn support(
         DispatchDevice::Autodiff(device) => support(&device.clone().inner(), problem, true),
         #[allow(unreachable_patterns)]
         other => Err(format!("no fused kernel on the {other:?} backend")),
+    }
+}
+
+/// Whether the fused forward of this problem (contiguous inputs, no mask or bias input) takes
+/// the Hopper forward on this device, on its own or under autodiff.
+pub(crate) fn takes_warpgroup(
+    device: &DispatchDevice,
+    problem: &FlashAttentionProblem,
+    options: &FlashAttentionOptions,
+) -> bool {
+    match device {
+        DispatchDevice::Cube(device) => kernel::takes_warpgroup(
+            &device.client(),
+            dtype_to_elem_type(problem.dtype),
+            [
+                problem.batch,
+                problem.heads,
+                problem.seq_q,
+                problem.head_dim,
+            ],
+            [
+                problem.batch,
+                problem.kv_heads,
+                problem.seq_k,
+                problem.head_dim,
+            ],
+            problem.value_dim,
+            options,
+        ),
+        DispatchDevice::Autodiff(device) => {
+            takes_warpgroup(&device.clone().inner(), problem, options)
+        }
+        #[allow(unreachable_patterns)]
+        _ => false,
     }
 }

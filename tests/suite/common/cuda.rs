@@ -88,6 +88,21 @@ pub fn has_tensor_cores(device: &Device, dtype: DType) -> bool {
     }
 }
 
+/// Whether this device has Hopper's warpgroup products (`wgmma`: SM90), by which the forward
+/// runs where it leads the tensor-core tile: tensor maps without the wide im2col maps that
+/// CubeCL registers from SM100, which has tensor maps but no `wgmma`.
+pub fn has_wgmma(device: &Device) -> bool {
+    match device.clone().without_autodiff().as_dispatch() {
+        DispatchDevice::Cube(cube) => {
+            let client = cube.client();
+            let tma = &client.properties().features.tma;
+            tma.contains(Tma::Base) && !tma.contains(Tma::Im2colWide)
+        }
+        #[allow(unreachable_patterns)]
+        other => panic!("not a CubeCL device: {other:?}"),
+    }
+}
+
 /// Whether this device has the tensor memory accelerator (SM90 and newer), by which the forward
 /// and the dK/dV launch stage their blocks at head dims 64 and 128: CubeCL's `Tma::Base` feature.
 pub fn has_tma(device: &Device) -> bool {

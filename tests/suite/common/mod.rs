@@ -380,6 +380,24 @@ pub fn padded_head_dim_problems() -> Vec<Problem> {
     ]
 }
 
+/// `BURN_FLASH_WARPGROUP`, where set to 0 or 1: the Hopper forward never or wherever it runs.
+pub fn warpgroup_override() -> Option<bool> {
+    match std::env::var("BURN_FLASH_WARPGROUP").ok()?.trim() {
+        "0" => Some(false),
+        "1" => Some(true),
+        _ => None,
+    }
+}
+
+/// Whether `plan` is `expected`, or, under `BURN_FLASH_WARPGROUP=1` (the Hopper forward wherever
+/// it runs), the Hopper forward in place of the tensor-core tile.
+pub fn plan_is(plan: &FlashAttentionPlan, expected: &FlashAttentionPlan) -> bool {
+    plan == expected
+        || (*plan == FlashAttentionPlan::FusedWarpgroup
+            && *expected == FlashAttentionPlan::Fused(TilePath::TensorCore)
+            && warpgroup_override() == Some(true))
+}
+
 /// The plan a problem must get on a GPU whose bf16/f16 tile is `tile`: the tensor-core tile
 /// zero-pads head dims it is not built for to its next size; the portable tile runs them.
 pub fn expected_fused(tile: TilePath, problem: &Problem) -> FlashAttentionPlan {

@@ -34,5 +34,5 @@ mod tests;
 pub use backward::{Grads, backward, backward_packed, backward_support};
 pub use config::{ScoreParams, TilePath};
 pub use device::tensor_core_dim;
-pub use forward::{forward, forward_packed, support};
+pub use forward::{forward, forward_packed, support, takes_warpgroup};
 pub use tensors::{CachedKeys, KernelTensor, PackedRows, ScoreInputs};

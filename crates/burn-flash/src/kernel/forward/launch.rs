@@ -20,6 +20,7 @@ use crate::kernel::tensors::{
 };
 use crate::kernel::tile::{MmaTile, PortableTile};
 use crate::kernel::tuning::flag_override;
+use crate::options::FlashAttentionOptions;
 
 /// Decide whether the fused forward can run inputs of this dtype and head dims on this client,
 /// and with which tile. `Err` carries the reason the caller logs before taking the fallback.
@@ -30,6 +31,24 @@ pub fn support(
     value_dim: usize,
 ) -> Result<TilePath, String> {
     super::plan::support(&DeviceCaps::of(client, dtype), dtype, head_dim, value_dim)
+}
+
+/// Whether a forward of `q: [b, h, sq, d]` over `k: [b, hkv, sk, d]` and values of head dim
+/// `value_dim`, laid out contiguously, with these options and no mask or bias input, takes the
+/// Hopper forward on this client ([`ForwardPlan::warpgroup`]), as [`launch`] decides: where
+/// the plan takes it and the output is addressed in 32 bits.
+pub fn takes_warpgroup(
+    client: &Client,
+    dtype: ElemType,
+    q: [usize; 4],
+    k: [usize; 4],
+    value_dim: usize,
+    options: &FlashAttentionOptions,
+) -> bool {
+    let problem = ForwardProblem::contiguous(dtype, q, k, value_dim, options);
+    let elements = q[0] * q[1] * q[2] * q[3].max(value_dim);
+    ForwardPlan::new(&DeviceCaps::of(client, dtype), &problem)
+        .is_ok_and(|plan| plan.warpgroup.is_some() && elements <= u32::MAX as usize)
 }
 
 /// Run the fused forward. `q: [b, h, sq, d]`, `k: [b, hkv, sk, d]`, `v: [b, hkv, sk, dv]` (`h`

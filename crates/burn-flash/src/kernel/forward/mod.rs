@@ -14,4 +14,4 @@ pub(super) mod sources;
 #[cfg(feature = "cuda")]
 pub(crate) mod warpgroup;
 
-pub use launch::{forward, forward_packed, support};
+pub use launch::{forward, forward_packed, support, takes_warpgroup};

@@ -12,8 +12,9 @@ use cubecl::ir::ElemType;
 use crate::kernel::config::{BiasAdd, ScoreParams, Staged, TileConfig, TilePath, WarpgroupConfig};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::batch_inner;
-use crate::kernel::tensors::{BF16, F32, InputFacts, ScoreFacts, U32};
+use crate::kernel::tensors::{BF16, F32, InputFacts, ScoreFacts, U32, layout_tma_aligned};
 use crate::kernel::tuning::{choice_override, flag_override, shape_override};
+use crate::options::FlashAttentionOptions;
 
 /// What the forward plan is decided on, beside the device.
 #[derive(Clone, Copy, Debug)]
@@ -38,6 +39,39 @@ pub struct ForwardProblem {
     pub varlen: bool,
     /// K and V can be read through tensor maps ([`tma_aligned`](crate::kernel::tensors::tma_aligned)).
     pub kv_tma_aligned: bool,
+}
+
+impl ForwardProblem {
+    /// The problem of `q: [b, h, sq, d]` over `k: [b, hkv, sk, d]` and values of head dim
+    /// `value_dim`, laid out contiguously, with these options and no mask or bias input.
+    pub fn contiguous(
+        dtype: ElemType,
+        q: [usize; 4],
+        k: [usize; 4],
+        value_dim: usize,
+        options: &FlashAttentionOptions,
+    ) -> Self {
+        let [batch, heads, seq_q, head_dim] = q;
+        let seq_k = k[2];
+        let rows = |width: usize| [k[1] * seq_k * width, seq_k * width, width, 1];
+        Self {
+            dtype,
+            batch,
+            heads,
+            seq_q,
+            seq_k,
+            head_dim,
+            value_dim,
+            params: ScoreParams::new(options, heads, head_dim, seq_q, seq_k)
+                .with_inputs(None, false),
+            inputs: ScoreFacts::default(),
+            key_lengths: false,
+            page_size: None,
+            varlen: false,
+            kv_tma_aligned: layout_tma_aligned(0, &rows(head_dim), dtype.size())
+                && layout_tma_aligned(0, &rows(value_dim), dtype.size()),
+        }
+    }
 }
 
 /// A forward launch, as planned.
@@ -597,6 +631,32 @@ mod tests {
         assert!(at(4096, 4096, true));
         assert!(!at(2048, 2048, true), "causal 2k walks 1k keys");
         assert!(!at(100, 4096, false), "a partial query block");
+    }
+
+    /// Contiguous inputs on an SM90 device take the Hopper forward by the default rule in a
+    /// CUDA build (what `flash_attention_plan` reports), never in another build.
+    #[test]
+    fn contiguous_inputs_take_the_hopper_forward_by_the_rule() {
+        if warpgroup_override().is_some() {
+            println!("skipped: BURN_FLASH_WARPGROUP overrides the rule");
+            return;
+        }
+        let taken = |d: usize, n: usize, causal: bool, dtype: ElemType| {
+            let dims = [16384 / n, 2048 / d, n, d];
+            let options = FlashAttentionOptions::new().with_causal(causal);
+            let problem = ForwardProblem::contiguous(dtype, dims, dims, d, &options);
+            ForwardPlan::new(&caps::h100(), &problem)
+                .unwrap()
+                .warpgroup
+                .is_some()
+        };
+        let cuda = cfg!(feature = "cuda");
+        assert_eq!(taken(64, 2048, false, BF16), cuda);
+        assert_eq!(taken(128, 4096, true, BF16), cuda);
+        assert!(!taken(64, 1024, false, BF16), "1k keys: the tile");
+        assert!(!taken(128, 2048, true, BF16), "causal 2k walks 1k keys");
+        assert!(!taken(256, 2048, false, BF16), "head dim 256");
+        assert!(!taken(64, 4096, false, F32), "f32: the portable tile");
     }
 
     #[test]
