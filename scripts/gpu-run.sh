@@ -8,7 +8,7 @@
 #   scripts/gpu-run.sh sanitize # compute-sanitizer (SANITIZERS) over the kernels on ragged shapes
 #   scripts/gpu-run.sh sources # dump the fused kernels' generated CUDA source (forward, backward)
 #   scripts/gpu-run.sh bench   # cargo-bench binary and the torch script, same call, one CSV (TIMING)
-#   scripts/gpu-run.sh table   # docs/performance.md's table: forward and training step (both dQ) beside the torch script
+#   scripts/gpu-run.sh table   # docs/performance.md's table: forward (also the tile forced) and training step (both dQ) beside the torch script
 #   scripts/gpu-run.sh timing  # our forward timed b2b and clear (as do_bench), beside the torch script
 #   scripts/gpu-run.sh decode  # KV-cache decoding (bench-decode) beside the torch decode script (DECODE_ARGS)
 #   scripts/gpu-run.sh varlen  # packed variable-length batches (bench-varlen) beside the torch varlen script (VARLEN_ARGS)
@@ -223,6 +223,11 @@ EOF
           --modes fwd,fwdbwd --timing "$TIMING" ${BENCH_ARGS:-}
         $bin/bench-attention --impls burn-flash --d "$BENCH_D" --n "$BENCH_N" --causal both \
           --modes fwdbwd --atomic-dq --timing "$TIMING" ${BENCH_ARGS:-}
+        # The tensor-core tile forced (the SM80 path; on SM90 the Hopper forward is the default
+        # over long keys), its rows named burn-flash-tile.
+        BURN_FLASH_WARPGROUP=0 $bin/bench-attention --impls burn-flash --d "$BENCH_D" \
+          --n "$BENCH_N" --causal both --modes fwd --timing "$TIMING" ${BENCH_ARGS:-} \
+          | sed 's/^burn-flash,/burn-flash-tile,/'
       } 2>"$OUT/$tag.err" | grep -v '^#' | awk '/^impl,/ { if (seen++) next } { print }' \
         | tee "$OUT/$tag.csv"
     done
