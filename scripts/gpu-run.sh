@@ -145,12 +145,14 @@ for stage in "$@"; do
     # compute-sanitizer over every fused kernel on ragged shapes (the tests below launch the
     # forward and both backward dQ modes, the forward's mask packing and staging, and its
     # per-sequence lengths and pages, and packed sequences), one process per tool, all at once;
-    # exit code 9 means the tool reported an error. SANITIZE_TESTS: other tests instead.
+    # exit code 9 means the tool reported an error. SANITIZE_TESTS: other tests instead, of
+    # SANITIZE_BIN (default test-suite; test-lib for the Hopper forward's own tests,
+    # `SANITIZE_BIN=test-lib SANITIZE_TESTS=kernel::tests::hopper::warpgroup_forward_matches_the_reference_cuda`).
     tests=${SANITIZE_TESTS:-reliability::cuda::sanitizer_shapes_cuda masks::cuda::boolean_masks_cuda lengths::cuda::sanitizer_shapes_lengths_cuda varlen::cuda::sanitizer_shapes_varlen_cuda}
     for tool in ${SANITIZERS:-memcheck racecheck synccheck initcheck}; do
       ( BURN_FLASH_REQUIRE_CUDA=1 CUBECL_AUTOTUNE_LEVEL=minimal timeout "${SANITIZE_TIMEOUT:-400}" \
           compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 50 \
-          $BIN/test-suite --exact $tests --test-threads 1 --nocapture \
+          $BIN/${SANITIZE_BIN:-test-suite} --exact $tests --test-threads 1 --nocapture \
           >"$OUT/sanitizer-$tool.log" 2>&1
         rc=$?
         echo "sanitizer $tool rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|test result' \
