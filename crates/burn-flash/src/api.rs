@@ -25,6 +25,9 @@ use crate::support::{flash_attention_support, takes_warpgroup};
 /// let plan = FlashAttentionPlan::Fused(TilePath::TensorCore);
 /// assert!(plan.is_fused());
 /// assert_eq!(plan.to_string(), "fused kernel (tensor-core tile)");
+/// let hopper = FlashAttentionPlan::FusedWarpgroup;
+/// assert!(hopper.is_fused());
+/// assert_eq!(hopper.to_string(), "fused kernel (Hopper forward on wgmma)");
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
