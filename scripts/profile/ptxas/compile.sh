@@ -13,7 +13,10 @@
 #
 # Pipeline per file (same as CubeCL): strip trailing "```" fence ->
 #   NVRTC (--gpu-architecture=$ARCH --include-path=... -lineinfo) -> PTX ->
-#   ptxas -arch=$ARCH -v -lineinfo -> cubin -> cuobjdump -sass (instruction count)
+#   ptxas -arch=$ARCH -c -v -lineinfo -> cubin -> cuobjdump -sass (instruction count)
+# `-c`: relocatable code, as the driver assembles CubeCL's PTX (cuLinkAddData); there ptxas
+# serialises every wgmma of a kernel that calls a subroutine (C7509), which a whole-program
+# compile hides. Its performance notes (C75xx) are printed under the kernel's line.
 # Outputs go to out/$TOOLKIT-$ARCH/: .ptx, .cubin, .sass, .nvrtc.log, .ptxas.log
 #
 # One-time setup (what was used):
@@ -56,7 +59,7 @@ for src in "${FILES[@]}"; do
   b=$(basename "$src" .cu)
   venv/bin/python nvrtc_ptx.py "$LIBNVRTC" "$src" "$OUT/$b.ptx" "$ARCH" "${INCS[@]}" \
       2> "$OUT/$b.nvrtc.log" || { echo "NVRTC failed for $src:"; grep -v 'warning\|^ *\^\|^ *const\|^$' "$OUT/$b.nvrtc.log" | head -40; continue; }
-  "$PTXAS" -arch="$ARCH" -v -lineinfo "$OUT/$b.ptx" -o "$OUT/$b.cubin" > "$OUT/$b.ptxas.log" 2>&1
+  "$PTXAS" -arch="$ARCH" -c -v -lineinfo "$OUT/$b.ptx" -o "$OUT/$b.cubin" > "$OUT/$b.ptxas.log" 2>&1
   "$CUOBJDUMP" -sass "$OUT/$b.cubin" > "$OUT/$b.sass" 2>/dev/null
   regs=$(grep -oP 'Used \K[0-9]+(?= registers)' "$OUT/$b.ptxas.log")
   st=$(grep -oP '[0-9]+(?= bytes spill stores)' "$OUT/$b.ptxas.log")
@@ -64,6 +67,7 @@ for src in "${FILES[@]}"; do
   stack=$(grep -oP '[0-9]+(?= bytes stack frame)' "$OUT/$b.ptxas.log")
   # SASS instructions = lines with an address comment /*0000*/ (includes trailing NOP/BRA padding)
   nins=$(grep -cP '^\s+/\*[0-9a-f]{4,}\*/' "$OUT/$b.sass")
-  text=$(( 16#$(readelf -SW "$OUT/$b.cubin" 2>/dev/null | grep -oP '\.text\.\S+\s+PROGBITS\s+\S+\s+\S+\s+\K[0-9a-f]+') ))
+  text=$(( 16#$(readelf -SW "$OUT/$b.cubin" 2>/dev/null | grep -v '\.text\.__' | grep -oP '\.text\.\S+\s+PROGBITS\s+\S+\s+\S+\s+\K[0-9a-f]+' | head -1) ))
   printf '%-8s %-6s %5s %12s %11s %6s %8s %10s\n' "$b" "$TOOLKIT" "$regs" "$st" "$ld" "$stack" "$nins" "$text"
+  grep -oP '\(C75\d\d\).*' "$OUT/$b.ptxas.log" | sed 's/^/    /' || true
 done

@@ -478,6 +478,17 @@ fn online_softmax<E: Float, O: Size>(
     p
 }
 
+/// `1 / x` to within an ulp (`rcp.approx.ftz`). The correctly rounded division calls a
+/// slow-path subroutine, and CubeCL has the driver assemble its PTX as relocatable code
+/// (`cuLinkAddData`), where a call makes ptxas serialise every `wgmma` of the kernel ("C7509:
+/// wgmma.mma_async instructions are serialized due to the presence of Extern calls").
+#[cube]
+fn reciprocal(x: f32) -> f32 {
+    let r: f32;
+    gpu_asm!("rcp.approx.ftz.f32 {r}, {x};", r = out(_) r, x = in(_) x);
+    r
+}
+
 /// The unit's output values (`o` over each row's sum, 0 where the row saw no key) and, from
 /// one lane of each row's four, its log-sum-exp (natural log), rows past `seq_q` left.
 #[cube]
@@ -504,7 +515,7 @@ fn write_rows<E: Float, O: Size>(
         let pair = part + plane_shuffle_xor(part, 1);
         let sum = pair + plane_shuffle_xor(pair, 2);
         let seen = sum > 0.0;
-        inverse[h] = select(seen, 1.0f32 / sum, 0.0f32);
+        inverse[h] = select(seen, reciprocal(sum), 0.0f32);
         row_lse[h] = select(
             seen,
             row_max[h] * scale * core::f32::consts::LN_2 + sum.ln(),
