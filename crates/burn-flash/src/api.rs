@@ -36,7 +36,7 @@ pub enum FlashAttentionPlan {
     Fused(TilePath),
     /// The fused Hopper forward runs, on warpgroup products (`wgmma`): a CUDA build on an SM90
     /// device (H100, H200), 16-bit inputs of head dim 64 or 128, plain or causal attention,
-    /// each query block walking 2048 keys or more (half the keys when causal), where it leads
+    /// each query block walking 1024 keys or more (half the keys when causal), where it leads
     /// the tensor-core tile (`BURN_FLASH_WARPGROUP=0|1` overrides the rule). Under autodiff the
     /// backward runs on the tensor-core tile.
     FusedWarpgroup,

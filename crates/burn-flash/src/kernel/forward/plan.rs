@@ -228,12 +228,13 @@ fn warpgroup_override() -> Option<bool> {
 }
 
 /// Keys a query block walks from which the Hopper forward leads the tensor-core tile.
-const WARPGROUP_MIN_KEYS: usize = 2048;
+const WARPGROUP_MIN_KEYS: usize = 1024;
 
 /// Whether the Hopper forward leads the tensor-core tile on this problem: where every query
-/// block is whole and walks 2048 keys or more (half the keys under a causal mask). Measured on
-/// the H200 (`docs/hopper.md`): +18–29 % at 2k and 4k keys; under 2k, or with a partial query
-/// block, the warpgroups' longer prologue costs more than their products save.
+/// block is whole and walks 1024 keys or more (half the keys under a causal mask). Measured on
+/// the H200 (`docs/hopper.md`): 1.25–1.32× at 2k keys, +13 % at 1k keys (head dim 128; even at
+/// 64), +4/+21 % at causal 2k; at 512 keys walked, or with a partial query block, the
+/// warpgroups' longer prologue costs more than their products save.
 fn warpgroup_pays(blocks: &WarpgroupConfig, problem: &ForwardProblem) -> bool {
     let walked = if blocks.causal {
         problem.seq_k / 2
@@ -611,7 +612,7 @@ mod tests {
         assert_eq!(blocks(&sm100, &plain), None);
     }
 
-    /// By default the Hopper forward takes whole query blocks over 2048 walked keys or more.
+    /// By default the Hopper forward takes whole query blocks over 1024 walked keys or more.
     #[test]
     fn warpgroup_forward_by_default_over_long_keys() {
         let at = |seq_q: usize, seq_k: usize, causal: bool| {
@@ -626,10 +627,10 @@ mod tests {
                 .is_some_and(|blocks| warpgroup_pays(&blocks, &problem))
         };
         assert!(at(4096, 4096, false));
-        assert!(at(2048, 2048, false));
-        assert!(!at(1024, 1024, false), "short keys: the tile");
-        assert!(at(4096, 4096, true));
-        assert!(!at(2048, 2048, true), "causal 2k walks 1k keys");
+        assert!(at(1024, 1024, false));
+        assert!(!at(512, 512, false), "short keys: the tile");
+        assert!(at(2048, 2048, true), "causal 2k walks 1k keys");
+        assert!(!at(1024, 1024, true), "causal 1k walks 512 keys");
         assert!(!at(100, 4096, false), "a partial query block");
     }
 
@@ -651,10 +652,14 @@ mod tests {
                 .is_some()
         };
         let cuda = cfg!(feature = "cuda");
-        assert_eq!(taken(64, 2048, false, BF16), cuda);
-        assert_eq!(taken(128, 4096, true, BF16), cuda);
-        assert!(!taken(64, 1024, false, BF16), "1k keys: the tile");
-        assert!(!taken(128, 2048, true, BF16), "causal 2k walks 1k keys");
+        assert_eq!(taken(64, 1024, false, BF16), cuda);
+        assert_eq!(
+            taken(128, 2048, true, BF16),
+            cuda,
+            "causal 2k walks 1k keys"
+        );
+        assert!(!taken(64, 512, false, BF16), "512 keys: the tile");
+        assert!(!taken(128, 1024, true, BF16), "causal 1k walks 512 keys");
         assert!(!taken(256, 2048, false, BF16), "head dim 256");
         assert!(!taken(64, 4096, false, F32), "f32: the portable tile");
     }
