@@ -47,7 +47,34 @@ pub fn product<N: Size>(
         n,
         ptx_type(bf16),
         &k_major_steps(a_rows as u64, depth as u64 / 16),
-        &k_major_steps(n as u64, depth as u64 / 16)
+        &k_major_steps(n as u64, depth as u64 / 16),
+        false
+    )];
+    let d: Vector<f32, N>;
+    gpu_asm!("{body}", "// {d} {a} {b}", d = out(_) d, a = in(_) a, b = in(_) b);
+    d
+}
+
+/// `D = A · B` for the 64 rows of A the warpgroup owns against `n` columns of B, over `depth`
+/// values of the reduced dim, both operands stored as rows of the reduced dim and read across
+/// them ([`descriptor_across_rows`]: A as `depth` rows of its 64 values, B as `depth` rows of
+/// its `n`, panels of 64 columns): what a backward's `dQ = dS · K` reads from `dSᵀ` and `K`
+/// staged as they are. 16-bit in, f32 out at [`position`]. Issued, not finished:
+/// [`wait_products`] before reading the result.
+#[cube]
+pub fn product_across_rows<N: Size>(
+    a: u64,
+    b: u64,
+    #[comptime] n: usize,
+    #[comptime] depth: usize,
+    #[comptime] bf16: bool,
+) -> Vector<f32, N> {
+    let body = comptime![shared_product_ptx(
+        n,
+        ptx_type(bf16),
+        &across_rows_steps(depth as u64 / 16),
+        &across_rows_steps(depth as u64 / 16),
+        true
     )];
     let d: Vector<f32, N>;
     gpu_asm!("{body}", "// {d} {a} {b}", d = out(_) d, a = in(_) a, b = in(_) b);
@@ -142,10 +169,17 @@ fn mma_step(
 }
 
 /// The PTX of a warpgroup product with both operands in shared memory, `D = A · B` over one
-/// k-step per entry of `a_steps` / `b_steps` (the descriptors' offsets, the first 0): the fence,
-/// the steps (the first overwriting `D`), the commit. Its operands as CubeCL numbers them: the
-/// `n / 2` accumulators out (`%0..`), A's descriptor, B's.
-fn shared_product_ptx(n: usize, ty: &str, a_steps: &[u64], b_steps: &[u64]) -> String {
+/// k-step per entry of `a_steps` / `b_steps` (the descriptors' offsets, the first 0), both read
+/// K-major or, `transposed`, both across their rows: the fence, the steps (the first
+/// overwriting `D`), the commit. Its operands as CubeCL numbers them: the `n / 2` accumulators
+/// out (`%0..`), A's descriptor, B's.
+fn shared_product_ptx(
+    n: usize,
+    ty: &str,
+    a_steps: &[u64],
+    b_steps: &[u64],
+    transposed: bool,
+) -> String {
     assert!(a_steps.len() == b_steps.len() && a_steps[0] == 0 && b_steps[0] == 0);
     let d = registers(0, n / 2);
     let (a, b) = (format!("%{}", n / 2), format!("%{}", n / 2 + 1));
@@ -161,11 +195,17 @@ fn shared_product_ptx(n: usize, ty: &str, a_steps: &[u64], b_steps: &[u64]) -> S
     ]
     .map(String::from)
     .into();
-    lines.push(mma_step(n, ty, &d, &a, &b, "fresh", "1, 1, 0, 0"));
+    // Scale A and B by 1, and transpose both or neither.
+    let immediates = if transposed {
+        "1, 1, 1, 1"
+    } else {
+        "1, 1, 0, 0"
+    };
+    lines.push(mma_step(n, ty, &d, &a, &b, "fresh", immediates));
     for (da, db) in a_steps.iter().zip(b_steps).skip(1) {
         lines.push(format!("add.s64 da, {a}, {da};"));
         lines.push(format!("add.s64 db, {b}, {db};"));
-        lines.push(mma_step(n, ty, &d, "da", "db", "add", "1, 1, 0, 0"));
+        lines.push(mma_step(n, ty, &d, "da", "db", "add", immediates));
     }
     lines.extend(["wgmma.commit_group.sync.aligned;", "}"].map(String::from));
     lines.join("\n")
@@ -312,7 +352,13 @@ wgmma.commit_group.sync.aligned;
     #[test]
     fn generated_ptx_is_the_checked_ptx() {
         assert_eq!(
-            shared_product_ptx(64, "bf16", &k_major_steps(64, 4), &k_major_steps(64, 4)),
+            shared_product_ptx(
+                64,
+                "bf16",
+                &k_major_steps(64, 4),
+                &k_major_steps(64, 4),
+                false
+            ),
             CHECKED_SHARED_PRODUCT
         );
         assert_eq!(
