@@ -32,6 +32,18 @@ pub fn exp2(x: f32, #[comptime] tile: TilePath) -> f32 {
     }
 }
 
+/// `1 / x` to within an ulp (`rcp.approx.ftz`, CUDA only). The correctly rounded division
+/// calls a slow-path subroutine, and CubeCL has the driver assemble its PTX as relocatable code
+/// (`cuLinkAddData`), where any call makes ptxas serialise every `wgmma` of the kernel ("C7509:
+/// wgmma.mma_async instructions are serialized due to the presence of Extern calls"): the
+/// Hopper forward divides by it.
+#[cube]
+pub fn reciprocal(x: f32) -> f32 {
+    let r: f32;
+    gpu_asm!("rcp.approx.ftz.f32 {r}, {x};", r = out(_) r, x = in(_) x);
+    r
+}
+
 /// Running statistics of the unit's rows, the max in the units the softmax scale multiplies
 /// (raw scores; softcapped ones without the cap's outer factor where the scale carries it).
 #[derive(CubeType)]

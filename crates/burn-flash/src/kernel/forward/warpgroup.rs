@@ -18,7 +18,7 @@ use cubecl::prelude::*;
 use cubecl::zspace::Shape;
 
 use crate::kernel::config::{ScoreParams, TilePath, WarpgroupConfig};
-use crate::kernel::softmax::exp2;
+use crate::kernel::softmax::{exp2, reciprocal};
 use crate::kernel::tensors::KernelTensor;
 use crate::kernel::tile::wgmma::{
     descriptor, descriptor_across_rows, position, product, product_pv, wait_products,
@@ -476,17 +476,6 @@ fn online_softmax<E: Float, O: Size>(
         o.insert(nth, o.extract(nth) * alpha[h]);
     }
     p
-}
-
-/// `1 / x` to within an ulp (`rcp.approx.ftz`). The correctly rounded division calls a
-/// slow-path subroutine, and CubeCL has the driver assemble its PTX as relocatable code
-/// (`cuLinkAddData`), where a call makes ptxas serialise every `wgmma` of the kernel ("C7509:
-/// wgmma.mma_async instructions are serialized due to the presence of Extern calls").
-#[cube]
-fn reciprocal(x: f32) -> f32 {
-    let r: f32;
-    gpu_asm!("rcp.approx.ftz.f32 {r}, {x};", r = out(_) r, x = in(_) x);
-    r
 }
 
 /// The unit's output values (`o` over each row's sum, 0 where the row saw no key) and, from

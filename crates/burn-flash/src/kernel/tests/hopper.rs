@@ -25,13 +25,16 @@ type Fragment = Vector<u32, Const<16>>;
 /// A 64 × 64 tile of 16-bit values, one panel.
 const PANEL_BYTES: u64 = 64 * 128;
 
-/// One warpgroup: A and B (64 × 64, rows of the reduced dim) staged swizzled, their
-/// product by four k-steps, the accumulators written out by [`position`].
+/// One warpgroup: A and B (64 × 64, rows of the reduced dim) staged swizzled, their product
+/// by four k-steps, both operands read K-major ([`product`]: `A · Bᵀ`) or, `across_rows`,
+/// across their rows ([`product_across_rows`]: `Aᵀ · B`), the accumulators written out by
+/// [`position`].
 #[cube(launch_unchecked)]
 fn product_probe<E: Float>(
     a: &Tensor<E>,
     b: &Tensor<E>,
     out: &mut Tensor<f32>,
+    #[comptime] across_rows: bool,
     #[define(E)] _dtype: ElemType,
 ) {
     let mut a_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
@@ -46,40 +49,14 @@ fn product_probe<E: Float>(
     // The products read shared memory through the async proxy.
     sync_async_proxy_shared();
     sync_cube();
-    let (a, b) = (descriptor::<E>(&a_tile), descriptor::<E>(&b_tile));
-    let d = product::<Const<32>>(a, b, 64usize, 64usize, 64usize, true);
-    wait_products();
-    #[unroll]
-    for nth in 0..32usize {
-        let (row, col) = position(UNIT_POS as usize, nth);
-        out[row * 64 + col] = d.extract(nth);
-    }
-}
-
-/// One warpgroup: A and B (64 × 64, rows of the reduced dim) staged swizzled as they are, their
-/// product read across the rows of both by four k-steps, the accumulators written out by
-/// [`position`].
-#[cube(launch_unchecked)]
-fn product_across_rows_probe<E: Float>(
-    a: &Tensor<E>,
-    b: &Tensor<E>,
-    out: &mut Tensor<f32>,
-    #[define(E)] _dtype: ElemType,
-) {
-    let mut a_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
-    let mut b_tile = Shared::<[E]>::new_aligned_slice(64usize * 64, 1024usize);
-    #[unroll]
-    for i in 0..32usize {
-        let at = UNIT_POS as usize * 32 + i;
-        let (row, col) = (at / 64, at % 64);
-        a_tile[swizzled(row, col)] = a[at];
-        b_tile[swizzled(row, col)] = b[at];
-    }
-    sync_async_proxy_shared();
-    sync_cube();
-    let a = descriptor_across_rows::<E>(&a_tile, PANEL_BYTES);
-    let b = descriptor_across_rows::<E>(&b_tile, PANEL_BYTES);
-    let d = product_across_rows::<Const<32>>(a, b, 64usize, 64usize, true);
+    let d = if comptime!(across_rows) {
+        let a = descriptor_across_rows::<E>(&a_tile, PANEL_BYTES);
+        let b = descriptor_across_rows::<E>(&b_tile, PANEL_BYTES);
+        product_across_rows::<Const<32>>(a, b, 64usize, 64usize, true)
+    } else {
+        let (a, b) = (descriptor::<E>(&a_tile), descriptor::<E>(&b_tile));
+        product::<Const<32>>(a, b, 64usize, 64usize, 64usize, true)
+    };
     wait_products();
     #[unroll]
     for nth in 0..32usize {
@@ -280,30 +257,41 @@ fn check_product(label: &str, got: &[f32], expected: impl Fn(usize, usize) -> (f
     eprintln!("{label}, 64x64x64 bf16: largest error {worst:.3e}");
 }
 
-#[test]
-fn warpgroup_product_matches_the_reference_cuda() {
-    let Some(client) = hopper_or_skip("warpgroup_product_matches_the_reference_cuda") else {
-        return;
-    };
-    let mut rng = Rng::new(50);
+/// [`product_probe`] on fresh bf16 inputs from `seed`: A, B and the f32 result, row-major.
+fn run_product_probe(
+    client: &Client,
+    seed: u64,
+    across_rows: bool,
+) -> (Vec<half::bf16>, Vec<half::bf16>, Vec<f32>) {
+    let mut rng = Rng::new(seed);
     let (a, b) = (bf16s(&mut rng), bf16s(&mut rng));
-    let out = KernelTensor::from_f32(&client, &[f32::NAN; 64 * 64], [64, 64]);
-    let [a_dev, b_dev] = [&a, &b].map(|v| KernelTensor::from_values(&client, v, [64, 64]));
+    let out = KernelTensor::from_f32(client, &[f32::NAN; 64 * 64], [64, 64]);
+    let [a_dev, b_dev] = [&a, &b].map(|v| KernelTensor::from_values(client, v, [64, 64]));
     // SAFETY: one cube of 128 units, each reading its 32 of the 4096 inputs and writing its
     // 32 of the 4096 outputs.
     unsafe {
         product_probe::launch_unchecked(
-            &client,
+            client,
             CubeCount::Static(1, 1, 1),
             CubeDim::new_1d(128),
             a_dev.into_tensor_arg(),
             b_dev.into_tensor_arg(),
             out.clone().into_tensor_arg(),
+            across_rows,
             BF16,
         );
     }
+    (a, b, out.read::<f32>())
+}
+
+#[test]
+fn warpgroup_product_matches_the_reference_cuda() {
+    let Some(client) = hopper_or_skip("warpgroup_product_matches_the_reference_cuda") else {
+        return;
+    };
+    let (a, b, got) = run_product_probe(&client, 50, false);
     // A · Bᵀ: row i of A against row j of B.
-    check_product("A B^T", &out.read::<f32>(), |i, j| {
+    check_product("A B^T", &got, |i, j| {
         let terms = (0..64).map(|k| a[i * 64 + k].to_f64() * b[j * 64 + k].to_f64());
         (0.0, terms.collect())
     });
@@ -315,25 +303,9 @@ fn warpgroup_product_across_rows_matches_the_reference_cuda() {
     else {
         return;
     };
-    let mut rng = Rng::new(53);
-    let (a, b) = (bf16s(&mut rng), bf16s(&mut rng));
-    let out = KernelTensor::from_f32(&client, &[f32::NAN; 64 * 64], [64, 64]);
-    let [a_dev, b_dev] = [&a, &b].map(|v| KernelTensor::from_values(&client, v, [64, 64]));
-    // SAFETY: one cube of 128 units, each reading its 32 of the 4096 inputs and writing its
-    // 32 of the 4096 outputs.
-    unsafe {
-        product_across_rows_probe::launch_unchecked(
-            &client,
-            CubeCount::Static(1, 1, 1),
-            CubeDim::new_1d(128),
-            a_dev.into_tensor_arg(),
-            b_dev.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            BF16,
-        );
-    }
+    let (a, b, got) = run_product_probe(&client, 53, true);
     // Aᵀ · B: column i of A against column j of B, both stored as rows of the reduced dim.
-    check_product("A^T B", &out.read::<f32>(), |i, j| {
+    check_product("A^T B", &got, |i, j| {
         let terms = (0..64).map(|k| a[k * 64 + i].to_f64() * b[k * 64 + j].to_f64());
         (0.0, terms.collect())
     });

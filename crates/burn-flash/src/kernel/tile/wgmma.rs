@@ -50,9 +50,7 @@ pub fn product<N: Size>(
         &k_major_steps(n as u64, depth as u64 / 16),
         false
     )];
-    let d: Vector<f32, N>;
-    gpu_asm!("{body}", "// {d} {a} {b}", d = out(_) d, a = in(_) a, b = in(_) b);
-    d
+    issue_shared_product::<N>(a, b, body)
 }
 
 /// `D = A · B` for the 64 rows of A the warpgroup owns against `n` columns of B, over `depth`
@@ -76,6 +74,12 @@ pub fn product_across_rows<N: Size>(
         &across_rows_steps(depth as u64 / 16),
         true
     )];
+    issue_shared_product::<N>(a, b, body)
+}
+
+/// The `gpu_asm!` of a [`shared_product_ptx`] `body`: accumulators out, A's and B's descriptors in.
+#[cube]
+fn issue_shared_product<N: Size>(a: u64, b: u64, #[comptime] body: String) -> Vector<f32, N> {
     let d: Vector<f32, N>;
     gpu_asm!("{body}", "// {d} {a} {b}", d = out(_) d, a = in(_) a, b = in(_) b);
     d
