@@ -11,7 +11,10 @@
 //! (`key_value_grads_d<d>_<mask>_det`, `query_grads_d<d>_<mask>_det`) and with the atomic dQ
 //! (`key_value_grads_d<d>_<mask>_atomic`, forced wherever the device can run it, as
 //! `burn_flash::testing::force_atomic_dq` does; where the plan splits the last wave, one file per
-//! part, `_whole` and `_pieces`), as `OUTDIR/<kernel>_<variant>.cu`, beside a `.meta` with the
+//! part, `_whole` and `_pieces`) and on SM90 the Hopper backward
+//! (`warpgroup_key_value_grads_d<d>_<mask>_warpgroup`, as
+//! `burn_flash::testing::force_warpgroup_backward` forces it), as `OUTDIR/<kernel>_<variant>.cu`,
+//! beside a `.meta` with the
 //! entry point, the plan, the cube dim and count, the shared memory and the comptime
 //! configuration. `<mask>` is `full` or `causal`.
 //!
@@ -287,10 +290,17 @@ fn run(args: Args) -> Result<(), String> {
                 let _forced = burn_flash::testing::force_atomic_dq();
                 sources::backward(&target, &problem(options.with_deterministic(false)))?
             };
+            // The Hopper backward, not yet the default (`docs/hopper.md`).
+            let warpgroup = {
+                let _forced = burn_flash::testing::force_atomic_dq();
+                let _hopper = burn_flash::testing::force_warpgroup_backward();
+                sources::backward(&target, &problem(options.with_deterministic(false)))?
+            };
             let launches = [
                 (variant.clone(), forward),
                 (format!("{variant}_det"), det),
                 (format!("{variant}_atomic"), atomic),
+                (format!("{variant}_warpgroup"), warpgroup),
             ];
             for (variant, kernels) in launches {
                 for planned in &kernels {

@@ -184,6 +184,57 @@ pub(crate) fn record_tma_launch() {
     TMA_STAGED.fetch_add(1, Ordering::Relaxed);
 }
 
+static FORCED_WARPGROUP_BACKWARD: AtomicUsize = AtomicUsize::new(0);
+
+/// While the returned guard lives, backwards with the atomic dQ take the Hopper backward on
+/// warpgroup products wherever it can run (SM90, head dims 64 and 128, plain or causal; not yet
+/// the default: see `docs/hopper.md`), as `BURN_FLASH_WARPGROUP_BACKWARD=1` does for a
+/// process. Guards nest and may live on several threads at once.
+///
+/// # Example
+///
+/// ```
+/// let hopper = burn_flash::testing::force_warpgroup_backward();
+/// // ... run attention backwards with the atomic dQ ...
+/// drop(hopper);
+/// ```
+#[must_use = "the warpgroup backward is forced only while the guard lives"]
+pub fn force_warpgroup_backward() -> ForcedWarpgroupBackward {
+    ForcedWarpgroupBackward {
+        _held: Held::new(&FORCED_WARPGROUP_BACKWARD),
+    }
+}
+
+/// Guard of [`force_warpgroup_backward`].
+pub struct ForcedWarpgroupBackward {
+    _held: Held,
+}
+
+/// Whether some [`force_warpgroup_backward`] guard lives; read by the backward's plan.
+pub(crate) fn warpgroup_backward_forced() -> bool {
+    Held::any(&FORCED_WARPGROUP_BACKWARD)
+}
+
+static WARPGROUP_BACKWARDS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many backwards of this process have run on Hopper's warpgroup products
+/// ([`force_warpgroup_backward`]), so tests can tell that the path ran.
+///
+/// # Example
+///
+/// ```
+/// assert_eq!(burn_flash::testing::warpgroup_backward_launches(), 0); // no backward ran yet
+/// ```
+pub fn warpgroup_backward_launches() -> usize {
+    WARPGROUP_BACKWARDS.load(Ordering::Relaxed)
+}
+
+/// Counts one backward on warpgroup products for [`warpgroup_backward_launches`].
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn record_warpgroup_backward() {
+    WARPGROUP_BACKWARDS.fetch_add(1, Ordering::Relaxed);
+}
+
 static WIDE_FORWARDS: AtomicUsize = AtomicUsize::new(0);
 
 /// How many forward launches of this process have indexed with 64 bits (tensors of more than

@@ -276,6 +276,45 @@ impl WarpgroupConfig {
     }
 }
 
+/// The blocks of the backward on Hopper's warpgroup products
+/// ([`warpgroup`](super::backward::warpgroup)).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub struct WarpgroupBackwardConfig {
+    /// Width of queries, keys and values (64 or 128).
+    pub head_dim: usize,
+    /// Keys right of a diagonal are hidden (causal, a window's right side).
+    pub causal: bool,
+    /// The inputs are bf16 (else f16).
+    pub bf16: bool,
+}
+
+impl WarpgroupBackwardConfig {
+    /// Warpgroups of a cube, 64 owned keys each.
+    pub const WARPGROUPS: usize = 2;
+    /// Query rows per stage: the scores products' `n`, the gradients products' reduced dim.
+    pub const BLOCK_Q: usize = 64;
+    /// Stages of Q and dO in the ring: a block's copies run while the one before it computes.
+    pub const STAGES: usize = 3;
+
+    /// Keys a cube owns.
+    pub fn block_k(&self) -> usize {
+        64 * Self::WARPGROUPS
+    }
+
+    /// Units of a cube: the warpgroups' (the first unit also issues the copies).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn units(&self) -> usize {
+        128 * Self::WARPGROUPS
+    }
+
+    /// Shared memory of one cube for 16-bit inputs: the owned keys and values, the ring of Q
+    /// and dO, `dSᵀ` of the owned keys, each on a 1024-byte boundary, plus their barriers.
+    pub fn shared_bytes(&self) -> usize {
+        let rows = 2 * self.block_k() + 2 * Self::STAGES * Self::BLOCK_Q;
+        (rows * self.head_dim + self.block_k() * 64) * 2 + 5 * TMA_ALIGN + 7 * 8
+    }
+}
+
 /// Which bounds hide keys around the diagonal (see [`mask`](super::mask)), and whether a boolean
 /// mask input hides some more; the offsets and the mask are runtime values.
 #[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
@@ -1018,6 +1057,17 @@ impl ScoreParams {
             kv_splits: Some(splits),
             ..self
         }
+    }
+
+    /// Plain or causal attention: no mask or bias input, window's left side, softcap, dropout
+    /// or ALiBi (what the Hopper kernels run).
+    pub fn plain_or_causal(&self) -> bool {
+        !self.mask.left
+            && !self.mask.tensor
+            && !self.bias
+            && self.softcap.is_none()
+            && self.dropout.is_none()
+            && self.alibi_pow2.is_none()
     }
 
     /// These parameters with a boolean mask input of `mask_dims` (`[b|1, h|1, sq|1, sk]`) and

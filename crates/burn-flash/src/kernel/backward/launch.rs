@@ -261,6 +261,7 @@ fn launch(
         deterministic,
         bias_grad,
         staged_tma_aligned: tma_aligned(&q) && tma_aligned(&d_out),
+        kv_tma_aligned: tma_aligned(&k) && tma_aligned(&v),
         varlen: packed.is_some(),
     };
     let plan = BackwardPlan::new(&DeviceCaps::of(&client, dtype), &problem)
@@ -271,12 +272,10 @@ fn launch(
         query: query_cfg,
         dq_width,
         tail,
+        warpgroup,
         ..
     } = plan;
     let tile = cfg.tile;
-    if cfg.tma {
-        crate::testing::record_tma_launch();
-    }
     crate::testing::record_dq_launch(cfg.atomic_dq);
     if tail.is_some() {
         crate::testing::record_tail_split();
@@ -307,6 +306,16 @@ fn launch(
     let address = address_type(&[&q, &k, &v, &out, &d_out, &d_q, &d_k, &d_v])
         .max(inputs.address_type())
         .max(address_type(&d_bias.iter().collect::<Vec<_>>()));
+    // The Hopper backward indexes in 32 bits; elsewhere the dK/dV launch runs.
+    let warpgroup = warpgroup.filter(|_| address == cubecl::ir::AddressType::U32);
+    let key_value_parts = if warpgroup.is_some() {
+        Vec::new()
+    } else {
+        key_value_parts
+    };
+    if cfg.tma || warpgroup.is_some() {
+        crate::testing::record_tma_launch();
+    }
     let elem = dtype;
     let dtypes = [elem, inputs.mask_dtype()];
     let softcap = params.softcap.unwrap_or(1.0);
@@ -342,6 +351,16 @@ fn launch(
                 vectors,
                 group,
                 elem,
+            );
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(warpgroup) = warpgroup {
+            crate::testing::record_warpgroup_backward();
+            let accum = accum
+                .as_ref()
+                .expect("the warpgroup backward sums dQ by atomics");
+            super::warpgroup::launch(
+                &q, &k, &v, &d_out, &lse, &delta, &d_k, &d_v, accum, &params, warpgroup,
             );
         }
         macro_rules! launch_grads {

@@ -25,5 +25,7 @@ mod row_dot;
 pub(super) mod sources;
 mod tail;
 mod walk;
+#[cfg(feature = "cuda")]
+pub(crate) mod warpgroup;
 
 pub use launch::{Grads, backward, backward_packed, backward_support};

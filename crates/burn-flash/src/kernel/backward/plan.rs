@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use cubecl::ir::ElemType;
 
 use super::tail::{self, TailPlan};
-use crate::kernel::config::{MMA_M, ScoreParams, TileConfig, TilePath};
+use crate::kernel::config::{MMA_M, ScoreParams, TileConfig, TilePath, WarpgroupBackwardConfig};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::forward::plan::tma_staging;
 use crate::kernel::grid::batch_inner;
@@ -37,6 +37,8 @@ pub struct BackwardProblem {
     pub bias_grad: bool,
     /// Q and dO can be read through tensor maps ([`tma_aligned`](crate::kernel::tensors::tma_aligned)).
     pub staged_tma_aligned: bool,
+    /// K and V can be read through tensor maps.
+    pub kv_tma_aligned: bool,
     /// Sequences are packed along the rows ([`TileConfig::varlen`]): `batch` counts them,
     /// `seq_q` and `seq_k` are the longest one's.
     pub varlen: bool,
@@ -81,6 +83,9 @@ pub struct BackwardPlan {
     pub dq_width: usize,
     /// The split of the dK/dV launch's last wave, if any.
     pub tail: Option<TailPlan>,
+    /// The backward on Hopper's warpgroup products runs instead of the dK/dV launch
+    /// ([`warpgroup`](super::warpgroup), [`warpgroup_blocks`]); dQ by its atomics.
+    pub warpgroup: Option<WarpgroupBackwardConfig>,
 }
 
 /// Whether the fused backward can run inputs of this dtype and head dims on this device, and
@@ -164,18 +169,75 @@ impl BackwardPlan {
         } else {
             (cfg, query)
         };
+        let wanted =
+            crate::testing::warpgroup_backward_forced() || warpgroup_override().unwrap_or(false);
+        let warpgroup =
+            warpgroup_blocks(caps, &cfg, &p).filter(|_| cfg!(feature = "cuda") && wanted);
         Ok(Self {
             key_value: cfg,
             query,
             dq,
             dq_width: dq_vector_width(caps, &cfg),
-            tail,
+            tail: tail.filter(|_| warpgroup.is_none()),
+            warpgroup,
         })
     }
 }
 
+/// `BURN_FLASH_WARPGROUP_BACKWARD=1`: the Hopper backward wherever it can run. Not the default:
+/// on the H200 (2026-11-30) it measured 0–3 % slower than the tensor-core tile's backward at
+/// head dim 128 without a mask, 8–59 % slower elsewhere (`docs/hopper.md`).
+fn warpgroup_override() -> Option<bool> {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP_BACKWARD"))
+}
+
+/// The Hopper backward's blocks ([`warpgroup`](super::warpgroup)) where it can run the
+/// problem: the atomic dQ's plan (`cfg.atomic_dq`) on a device with warpgroup products (SM90:
+/// [`DeviceCaps::wgmma`]), head dim 64 or 128 for queries and values alike, plain or causal
+/// attention over whole batches of keys (no mask or bias input, window's left side, softcap,
+/// dropout or ALiBi), every input readable by tensor maps. Not where a test asks for the
+/// tile's staging by copies ([`avoid_tma`](crate::testing::avoid_tma)) or for its dK/dV
+/// launch's tail split ([`tail_slots`](crate::testing::tail_slots)).
+fn warpgroup_blocks(
+    caps: &DeviceCaps,
+    cfg: &TileConfig,
+    p: &BackwardProblem,
+) -> Option<WarpgroupBackwardConfig> {
+    let params = &p.params;
+    let blocks = WarpgroupBackwardConfig {
+        head_dim: p.head_dim,
+        causal: params.mask.right,
+        bf16: p.dtype == crate::kernel::tensors::BF16,
+    };
+    let runs = caps.wgmma
+        && cfg.tile == TilePath::TensorCore
+        && cfg.atomic_dq
+        && matches!(p.head_dim, 64 | 128)
+        && p.value_dim == p.head_dim
+        && params.plain_or_causal()
+        && !p.varlen
+        && p.staged_tma_aligned
+        && p.kv_tma_aligned
+        && !crate::testing::tma_avoided()
+        && crate::testing::forced_tail_slots().is_none()
+        && caps.fits_shared("backward", blocks.shared_bytes()).is_ok();
+    runs.then_some(blocks)
+}
+
 impl fmt::Display for BackwardPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(warpgroup) = &self.warpgroup {
+            return write!(
+                f,
+                "warpgroup dK/dV (wgmma): {} keys × {}-row stages, {} warpgroups, Q, K, V and \
+                 dO by tensor maps{}; dQ by atomics, 2 columns per add",
+                warpgroup.block_k(),
+                WarpgroupBackwardConfig::BLOCK_Q,
+                WarpgroupBackwardConfig::WARPGROUPS,
+                if warpgroup.causal { ", causal" } else { "" }
+            );
+        }
         let cfg = &self.key_value;
         write!(
             f,
@@ -437,6 +499,7 @@ mod tests {
             deterministic,
             bias_grad: false,
             staged_tma_aligned: true,
+            kv_tma_aligned: true,
             varlen: false,
         }
     }

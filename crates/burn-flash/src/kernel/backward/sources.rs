@@ -50,6 +50,7 @@ pub fn backward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>
             deterministic: problem.options.deterministic,
             bias_grad: false,
             staged_tma_aligned: q.tma_aligned() && d_out.tma_aligned(),
+            kv_tma_aligned: k.tma_aligned() && v.tma_aligned(),
             varlen: false,
         },
     )?;
@@ -61,6 +62,52 @@ pub fn backward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>
         ..
     } = plan;
     let accum = cfg.atomic_dq.then(|| Placeholder::new(rows, F32));
+    #[cfg(feature = "cuda")]
+    if let (Some(warpgroup), Some(accum)) = (plan.warpgroup, &accum) {
+        use super::warpgroup::warpgroup_key_value_grads;
+        use crate::kernel::config::WarpgroupBackwardConfig;
+        use crate::kernel::forward::warpgroup::tensor_map;
+        let rows_of = WarpgroupBackwardConfig::BLOCK_Q;
+        let [q_map, d_out_map] = [&q, &d_out].map(|t| tensor_map(t.arg(), dtype, rows_of));
+        let [k_map, v_map] = [&k, &v].map(|t| tensor_map(t.arg(), dtype, warpgroup.block_k()));
+        let count = CubeCount::Static(
+            seq.div_ceil(warpgroup.block_k()) as u32,
+            heads as u32,
+            batch as u32,
+        );
+        let dim = CubeDim::new_1d(warpgroup.units() as u32);
+        return Ok(vec![PlannedKernel::of(
+            "warpgroup_key_value_grads",
+            &plan,
+            &warpgroup,
+            count.clone(),
+            dim,
+            warpgroup_key_value_grads::create_dummy_kernel(
+                target.device.clone(),
+                target.target.clone(),
+                count,
+                dim,
+                head_dim / 2,
+                head_dim / 4,
+                q_map,
+                k_map,
+                v_map,
+                d_out_map,
+                lse.arg(),
+                delta.arg(),
+                d_k.arg(),
+                d_v.arg(),
+                accum.arg(),
+                seq as u32,
+                1,
+                params.scale,
+                params.scale,
+                0,
+                warpgroup,
+                dtype,
+            ),
+        )]);
+    }
     let partials = tail.map(|plan| Placeholder::new(partials_shape(&cfg, plan), F32));
     let key_blocks = seq.div_ceil(cfg.block_q);
     let grid_rows = if cfg.batch_inner { batch } else { heads };

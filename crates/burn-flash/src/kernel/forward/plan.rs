@@ -258,12 +258,6 @@ fn warpgroup_blocks(
     static WARPGROUPS: OnceLock<Option<usize>> = OnceLock::new();
     let warpgroups = *WARPGROUPS.get_or_init(|| choice_override("BURN_FLASH_WARPGROUPS", &[2, 3]));
     let params = &problem.params;
-    let plain = !params.mask.left
-        && !params.mask.tensor
-        && !params.bias
-        && params.softcap.is_none()
-        && params.dropout.is_none()
-        && params.alibi_pow2.is_none();
     let blocks = WarpgroupConfig::new(problem.head_dim, params.mask.right, problem.dtype == BF16);
     let blocks = WarpgroupConfig {
         warpgroups: warpgroups.unwrap_or(blocks.warpgroups),
@@ -273,7 +267,7 @@ fn warpgroup_blocks(
         && cfg.tile == TilePath::TensorCore
         && matches!(problem.head_dim, 64 | 128)
         && problem.value_dim == problem.head_dim
-        && plain
+        && params.plain_or_causal()
         && !problem.key_lengths
         && problem.page_size.is_none()
         && !problem.varlen

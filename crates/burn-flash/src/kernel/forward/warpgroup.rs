@@ -54,13 +54,6 @@ pub(crate) fn launch(
     let dims = q.meta.shape();
     let (batch, heads, seq_q) = (dims[0], dims[1], dims[2]);
     let (kv_heads, seq_k) = (k.meta.shape()[1], k.meta.shape()[2]);
-    // Query i's diagonal is key i + shift: bottom-right unless the options align it top-left.
-    let shift = if params.mask.top_left.0 {
-        0
-    } else {
-        seq_k as i64 - seq_q as i64
-    };
-    let bound = i32::try_from(shift + i64::from(params.right)).expect("sequences under 2^31");
     let map =
         |t: &KernelTensor, rows: usize| tensor_map(t.clone().into_tensor_arg(), t.dtype, rows);
     let cube_count = cube_count(&cfg, batch, heads, seq_q);
@@ -88,12 +81,23 @@ pub(crate) fn launch(
             seq_k as u32,
             (heads / kv_heads) as u32,
             params.scale * core::f32::consts::LOG2_E,
-            bound,
+            diagonal_bound(params, seq_q, seq_k),
             f32::NEG_INFINITY,
             cfg,
             q.dtype,
         )
     }
+}
+
+/// The last key query 0 sees under a right bound (causal): query `i` sees keys up to
+/// `i + bound`, its diagonal bottom-right unless the options align it top-left.
+pub(crate) fn diagonal_bound(params: &ScoreParams, seq_q: usize, seq_k: usize) -> i32 {
+    let shift = if params.mask.top_left.0 {
+        0
+    } else {
+        seq_k as i64 - seq_q as i64
+    };
+    i32::try_from(shift + i64::from(params.right)).expect("sequences under 2^31")
 }
 
 /// The tensor map the kernel reads a `[b, h, seq, d]` operand of `dtype` by: boxes of `rows`
@@ -320,7 +324,7 @@ fn key_blocks_end(
 /// each, `rows` × 128 bytes), into `stages` from `start`, completing on `barrier`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_panels<E: Float>(
+pub(crate) fn load_panels<E: Float>(
     barrier: &Barrier,
     map: &TensorMap<E, Tiled>,
     stages: &mut Shared<[E]>,

@@ -1,7 +1,8 @@
-//! Hopper's warpgroup products ([`wgmma`](crate::kernel::tile::wgmma)) and the forward on them
-//! ([`warpgroup`](crate::kernel::forward::warpgroup)) on the GPU, against f64 references: each
-//! product on its own, one query block's attention on them, and the forward's launch on ragged
-//! shapes. They skip without an SM90 device.
+//! Hopper's warpgroup products ([`wgmma`](crate::kernel::tile::wgmma)), the forward and the
+//! backward on them ([`warpgroup`](crate::kernel::forward::warpgroup),
+//! [`warpgroup`](crate::kernel::backward::warpgroup)) on the GPU, against f64 references: each
+//! product on its own, one query block's attention on them, and the forward's and backward's
+//! launches on ragged shapes. They skip without an SM90 device.
 
 use cubecl::prelude::*;
 
@@ -10,11 +11,12 @@ use crate::kernel::ScoreParams;
 use crate::kernel::config::WarpgroupConfig;
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::forward::warpgroup::launch;
-use crate::kernel::tensors::{BF16, F32, KernelTensor, output};
+use crate::kernel::tensors::{BF16, F32, KernelTensor, ScoreInputs, output};
 use crate::kernel::tile::wgmma::{
     descriptor, descriptor_across_rows, fragment_position, position, product, product_across_rows,
     product_pv, swizzled, wait_products,
 };
+use crate::kernel::{backward, forward};
 use crate::{CausalAlignment, FlashAttentionOptions};
 
 /// The 32 f32 accumulators one unit of a warpgroup holds of a 64 × 64 tile.
@@ -492,5 +494,87 @@ fn warpgroup_forward_matches_the_reference_cuda() {
     ];
     for (n, (case, bf16)) in cases.iter().enumerate() {
         check(&client, case, *bf16, 5000 + n as u64);
+    }
+}
+
+/// One case's gradients through [`backward`] with the atomic dQ on the warpgroup backward
+/// (forced; that it ran is checked), after the fused forward, against the f64 reference gradients
+/// on the same rounded inputs and output gradient, the gradients poisoned (NaN) before the
+/// launches. Within 2⁻⁷ of each gradient's largest magnitude (at least 1): `P` and `dS` enter
+/// their products in 16 bits (2⁻⁹ each), the gradients are rounded to 16 bits (2⁻⁹), and
+/// `D = rowsum(dO ∘ O)` reads the forward's 16-bit output (2⁻⁹); a wrong row, column, block,
+/// mask or scale is off by the size of the values.
+fn check_grads(client: &Client, case: &Case, bf16: bool, seed: u64) {
+    crate::testing::poison_outputs(true);
+    let _atomic = crate::testing::force_atomic_dq();
+    let _hopper = crate::testing::force_warpgroup_backward();
+    let mut inputs = Inputs::draw(case, seed);
+    let q = upload(client, &mut inputs.q, case.q_dims(), bf16);
+    let k = upload(client, &mut inputs.k, case.k_dims(), bf16);
+    let v = upload(client, &mut inputs.v, case.v_dims(), bf16);
+    let mut d_out = Rng::new(seed + 1).normals(case.out_dims().iter().product());
+    let d_out_tensor = upload(client, &mut d_out, case.out_dims(), bf16);
+    let params = ScoreParams::new(
+        &case.options,
+        case.heads,
+        case.head_dim,
+        case.seq_q,
+        case.seq_k,
+    );
+    let scores = || ScoreInputs::new(None, None);
+    let (out, lse) = forward(q.clone(), k.clone(), v.clone(), scores(), None, params);
+    let before = crate::testing::warpgroup_backward_launches();
+    let grads = backward(
+        q,
+        k,
+        v,
+        scores(),
+        out,
+        lse,
+        d_out_tensor,
+        params,
+        false,
+        false,
+    );
+    assert!(
+        crate::testing::warpgroup_backward_launches() > before,
+        "{case:?}: the warpgroup backward did not run"
+    );
+    let read = |t: &KernelTensor| -> Vec<f32> {
+        if bf16 {
+            t.read::<half::bf16>().iter().map(|x| x.to_f32()).collect()
+        } else {
+            t.read::<half::f16>().iter().map(|x| x.to_f32()).collect()
+        }
+    };
+    let [dq, dk, dv] = inputs.grads(case, &d_out);
+    let label = format!("{case:?} bf16={bf16}");
+    assert_close(&format!("{label}: dQ"), &read(&grads.q), &dq, 1.0 / 128.0);
+    assert_close(&format!("{label}: dK"), &read(&grads.k), &dk, 1.0 / 128.0);
+    assert_close(&format!("{label}: dV"), &read(&grads.v), &dv, 1.0 / 128.0);
+}
+
+#[test]
+fn warpgroup_backward_matches_the_reference_cuda() {
+    let Some(client) = hopper_or_skip("warpgroup_backward_matches_the_reference_cuda") else {
+        return;
+    };
+    let top_left = FlashAttentionOptions::new()
+        .with_causal(true)
+        .with_causal_alignment(CausalAlignment::TopLeft);
+    let cases = [
+        // Whole blocks, and lengths that end inside a block of queries and of keys.
+        (Case::new(2, 3, 256, 256, 64), true),
+        (Case::new(2, 4, 300, 300, 64).causal().kv_heads(2), true),
+        (Case::new(1, 2, 200, 520, 128), true),
+        (Case::new(2, 4, 384, 384, 128).causal().kv_heads(1), true),
+        // Bottom-right with more queries than keys: the first rows see no key.
+        (Case::new(1, 2, 333, 130, 128).causal(), true),
+        (Case::new(1, 2, 150, 700, 64).options(top_left), true),
+        (Case::new(1, 2, 260, 260, 64).causal(), false),
+        (Case::new(1, 1, 129, 1, 128), false),
+    ];
+    for (n, (case, bf16)) in cases.iter().enumerate() {
+        check_grads(&client, case, *bf16, 6000 + n as u64);
     }
 }
