@@ -24,8 +24,10 @@ use std::time::Instant;
 
 use burn::tensor::module::attention_fallback;
 use burn::tensor::{DType, Device, Distribution, Tensor};
-use burn_flash::{FlashAttentionOptions, TilePath, flash_attention, flash_attention_plan};
-use common::cuda::{cuda_device, has_tensor_cores, has_tma};
+use burn_flash::{
+    FlashAttentionOptions, FlashAttentionPlan, TilePath, flash_attention, flash_attention_plan,
+};
+use common::cuda::{cuda_device, has_tensor_cores, has_tma, hopper_forward};
 use common::{
     Error, Inputs, Problem, Spec, error, random_normal, reference_grads, round_to,
     tensor_from_host, to_host, unfused_grads, unit_roundoff,
@@ -92,7 +94,8 @@ fn judge(dtype: DType, fused: &Error, base: &Error, atol: f64) -> Result<(), Str
 
 /// Fused gradients of `sum(upstream ∘ attention(q, k, v))` on the autodiff `device`, after
 /// checking that the fused tensor-core path (or the portable one, on a GPU without SM80 MMAs)
-/// runs.
+/// runs, or with `hopper` the Hopper forward (`common::cuda::hopper_forward`).
+#[allow(clippy::too_many_arguments)]
 fn fused_grads(
     device: &Device,
     label: &str,
@@ -101,6 +104,7 @@ fn fused_grads(
     spec: Spec,
     expect: TilePath,
     deterministic: bool,
+    hopper: bool,
 ) -> Result<[Tensor<4>; 3], String> {
     let [q, k, v] = [q, k, v].map(|t| t.require_grad());
     let options = spec.options(None).with_deterministic(deterministic);
@@ -108,7 +112,11 @@ fn fused_grads(
     let _atomic = (!deterministic).then(burn_flash::testing::force_atomic_dq);
     let plan = flash_attention_plan(&q, &k, &v, options).map_err(|e| format!("{label}: {e}"))?;
     let problem = Problem::cross(1, 1, 1, 1, q.dims()[3]).with_value_dim(v.dims()[3]);
-    let expected = common::expected_fused(expect, &problem);
+    let expected = if hopper {
+        FlashAttentionPlan::FusedWarpgroup
+    } else {
+        common::expected_fused(expect, &problem)
+    };
     if !common::plan_is(&plan, &expected) {
         return Err(format!("{label}: plan is {plan}, expected {expected}"));
     }
@@ -267,6 +275,7 @@ fn check_problems(
             spec,
             expect,
             deterministic,
+            false,
         );
         let [dq, dk, dv] = match grads {
             Ok(grads) => grads.map(to_host),
@@ -356,6 +365,7 @@ fn deterministic_backward_repeats_bitwise() {
             Spec::from(true),
             expect,
             deterministic,
+            false,
         )
         .unwrap();
         grads.map(|g| to_host(g).iter().map(|x| x.to_bits()).collect::<Vec<_>>())
@@ -419,6 +429,7 @@ fn tma_staging_matches_copies() {
                     spec,
                     expect,
                     deterministic,
+                    false,
                 )
                 .unwrap_or_else(|why| panic!("{why}"));
                 grads.map(to_host)
@@ -501,6 +512,7 @@ fn split_tail_matches_reference() {
                 spec,
                 expect,
                 deterministic,
+                false,
             )
             .unwrap_or_else(|why| panic!("{why}"))
             .map(to_host)
@@ -575,6 +587,7 @@ fn benchmark_shapes_bf16() {
             Spec::from(causal),
             expected_tile(&device, dtype),
             false,
+            hopper_forward(&device, head_dim, n, causal),
         ) {
             Ok(grads) => grads,
             Err(why) => {

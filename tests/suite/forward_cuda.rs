@@ -34,7 +34,7 @@ use burn_flash::{
     FlashAttentionOptions, FlashAttentionPlan, FlashAttentionProblem, TilePath, flash_attention,
     flash_attention_plan, flash_attention_support,
 };
-use common::cuda::{cuda_device, has_tensor_cores, has_wgmma};
+use common::cuda::{cuda_device, has_tensor_cores, hopper_forward};
 use common::{
     Error, Inputs, Problem, Spec, error, masked_rows, reference_row, to_host, unfused_attention,
     unfused_row, unit_roundoff, visible_keys,
@@ -534,16 +534,6 @@ fn sample_rows(n: usize, extra: usize, seed: u64) -> Vec<usize> {
     rows.sort_unstable();
     rows.dedup();
     rows
-}
-
-/// Whether a benchmark shape (16-bit, every query block whole) takes the Hopper forward: on
-/// SM90 at head dims 64 and 128 where its queries walk 1024 keys or more (half the keys when
-/// causal), or wherever `BURN_FLASH_WARPGROUP` says.
-fn hopper_forward(device: &Device, head_dim: usize, n: usize, causal: bool) -> bool {
-    let walked = if causal { n / 2 } else { n };
-    has_wgmma(device)
-        && matches!(head_dim, 64 | 128)
-        && common::warpgroup_override().unwrap_or(walked >= 1024)
 }
 
 /// One FlashAttention-2 benchmark shape (16k tokens, hidden 2048: `b = 16384 / n`,

@@ -115,3 +115,13 @@ pub fn has_tma(device: &Device) -> bool {
         other => panic!("not a CubeCL device: {other:?}"),
     }
 }
+
+/// Whether a benchmark shape (16-bit, every query block whole) takes the Hopper forward: on
+/// SM90 at head dims 64 and 128 where its queries walk 1024 keys or more (half the keys when
+/// causal), or wherever `BURN_FLASH_WARPGROUP` says.
+pub fn hopper_forward(device: &Device, head_dim: usize, n: usize, causal: bool) -> bool {
+    let walked = if causal { n / 2 } else { n };
+    has_wgmma(device)
+        && matches!(head_dim, 64 | 128)
+        && super::warpgroup_override().unwrap_or(walked >= 1024)
+}
