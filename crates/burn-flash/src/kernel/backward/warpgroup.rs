@@ -106,11 +106,13 @@ pub(crate) fn launch(
 }
 
 /// dK and dV of one block of `cfg.block_k()` keys of one (batch, key/value head), and `dS·K` of
-/// every query block that sees them added to `d_q_accum` (f32 pairs): `q_map`, `d_out_map`
+/// every query block that sees them added to `d_q_accum` (four f32 a vector): `q_map`, `d_out_map`
 /// are tensor maps of `[b, h, sq, d]` (boxes of 64 rows × 64 columns), `k_map`, `v_map` of
 /// `[b, hkv, sk, d]` (boxes of `cfg.block_k()` rows); `scale` is the softmax scale times
 /// log2 e, `grad_scale` the softmax scale. Key `j` is visible to query `i` where `j < seq_k`
-/// and, with `cfg.causal`, `j <= i + bound`. `A` is the accumulators' vector (`d / 2`).
+/// and, with `cfg.causal`, `j <= i + bound`. `A` is the vector of a unit's dK or dV
+/// accumulators (`d / 2`), `Q` of its dQ accumulators (its warpgroup's half of the columns:
+/// `d / 4`).
 #[cube(launch_unchecked, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn warpgroup_key_value_grads<E: Float, A: Size, Q: Size>(
