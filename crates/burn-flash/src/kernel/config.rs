@@ -308,10 +308,11 @@ impl WarpgroupBackwardConfig {
     }
 
     /// Shared memory of one cube for 16-bit inputs: the owned keys and values, the ring of Q
-    /// and dO, `dSᵀ` of the owned keys, each on a 1024-byte boundary, plus their barriers.
+    /// and dO, two buffers of `dSᵀ` of the owned keys, each on a 1024-byte boundary, plus their
+    /// barriers.
     pub fn shared_bytes(&self) -> usize {
         let rows = 2 * self.block_k() + 2 * Self::STAGES * Self::BLOCK_Q;
-        (rows * self.head_dim + self.block_k() * 64) * 2 + 5 * TMA_ALIGN + 7 * 8
+        (rows * self.head_dim + 2 * self.block_k() * 64) * 2 + 5 * TMA_ALIGN + 7 * 8
     }
 }
 

@@ -541,6 +541,41 @@ mod tests {
     }
 
     #[test]
+    fn warpgroup_backward_only_where_asked_for_and_it_runs() {
+        let _serial = FORCING.lock().unwrap_or_else(|e| e.into_inner());
+        let h100 = caps::h100();
+        let plan = |caps: &DeviceCaps, d, deterministic| {
+            BackwardPlan::new(caps, &problem(d, 4096, deterministic)).unwrap()
+        };
+        // Not the default (docs/hopper.md: not yet faster than the tile's backward).
+        assert_eq!(plan(&h100, 128, false).warpgroup, None);
+        let _hopper = crate::testing::force_warpgroup_backward();
+        if !cfg!(feature = "cuda") {
+            // Without the CUDA path there is no kernel to plan.
+            assert_eq!(plan(&h100, 128, false).warpgroup, None);
+            return;
+        }
+        for d in [64, 128] {
+            let hopper = plan(&h100, d, false);
+            let blocks = hopper.warpgroup.expect("the atomic dQ on SM90");
+            assert_eq!((blocks.head_dim, blocks.block_k()), (d, 128));
+            // Two buffers of dSᵀ besides the owned keys and values and three stages: 197 KB at
+            // head dim 128 (CubeCL's own count for the kernel: 196664 bytes).
+            assert!(
+                blocks.shared_bytes() <= 227 * 1024,
+                "{}",
+                blocks.shared_bytes()
+            );
+            assert!(hopper.tail.is_none() && hopper.to_string().contains("wgmma"));
+        }
+        // The deterministic dQ, devices without `wgmma` and head dims it has no blocks for
+        // keep the tile.
+        assert_eq!(plan(&h100, 128, true).warpgroup, None);
+        assert_eq!(plan(&caps::a100(), 128, false).warpgroup, None);
+        assert_eq!(plan(&h100, 256, false).warpgroup, None);
+    }
+
+    #[test]
     fn head_dim_64_single_pass_narrows_where_shared_memory_is_short() {
         let wide = key_value_config(TilePath::TensorCore, 64, 64, true).with_atomic_dq(true);
         assert_eq!((wide.block_q, wide.block_kv, wide.split), (128, 128, 2));
