@@ -351,13 +351,17 @@ EOF
     ;;
   profile)
     # One launch of each kernel after a warm-up step, full section set, clocks left alone
-    # (METHOD.md). PROF_N sets the length (b = 16384 / n, h = 2048 / d as in the bench).
+    # (METHOD.md). PROF_N sets the length (b = 16384 / n, h = 2048 / d as in the bench),
+    # PROF_CAUSAL the mask (false), PROF_KERNELS our kernels' regex, PROF_ARGS more bench flags;
+    # e.g. the Hopper backward: BURN_FLASH_WARPGROUP_BACKWARD=1 PROF_ARGS=--atomic-dq
+    # PROF_KERNELS=warpgroup_key_value_grads PROF_CAUSAL=true.
     n=${PROF_N:-4096}
     for d in ${PROF_D:-64 128}; do
       ncu --clock-control none --set full --import-source no -f -o "$OUT/ours-d$d" \
-        --kernel-name regex:'flash_forward|key_value_grads|query_grads' --launch-skip 3 \
-        --launch-count 3 $BIN/bench-attention --impls burn-flash --modes fwdbwd --d "$d" \
-        --n "$n" --causal false --iters 2 --warmup 1 >"$OUT/ours-d$d.log" 2>&1
+        --kernel-name regex:"${PROF_KERNELS:-flash_forward|key_value_grads|query_grads}" \
+        --launch-skip 3 --launch-count 3 $BIN/bench-attention --impls burn-flash --modes fwdbwd \
+        --d "$d" --n "$n" --causal "${PROF_CAUSAL:-false}" --iters 2 --warmup 1 ${PROF_ARGS:-} \
+        >"$OUT/ours-d$d.log" 2>&1
       ncu --clock-control none --set full --import-source no -f -o "$OUT/fa2-d$d" \
         --kernel-name regex:'flash_fwd_kernel|flash_bwd_dq_dk_dv' --launch-skip 2 \
         --launch-count 2 python3 scripts/ab/fa2-step.py "$d" "$n" >"$OUT/fa2-d$d.log" 2>&1
