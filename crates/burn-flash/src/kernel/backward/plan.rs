@@ -185,8 +185,8 @@ impl BackwardPlan {
 }
 
 /// `BURN_FLASH_WARPGROUP_BACKWARD=1`: the Hopper backward wherever it can run. Not the default:
-/// on the H200 (2026-11-30) it measured 0–3 % slower than the tensor-core tile's backward at
-/// head dim 128 without a mask, 8–59 % slower elsewhere (`docs/hopper.md`).
+/// on the H200 (2026-11-30) its training step measured 0–5 % slower than the tensor-core
+/// tile's at head dim 128 without a mask, 9–59 % slower elsewhere (`docs/hopper.md`).
 fn warpgroup_override() -> Option<bool> {
     static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
     *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP_BACKWARD"))
@@ -231,7 +231,7 @@ impl fmt::Display for BackwardPlan {
             return write!(
                 f,
                 "warpgroup dK/dV (wgmma): {} keys × {}-row stages, {} warpgroups, Q, K, V and \
-                 dO by tensor maps{}; dQ by atomics, 2 columns per add",
+                 dO by tensor maps{}; dQ by atomics, 4 columns per add",
                 warpgroup.block_k(),
                 WarpgroupBackwardConfig::BLOCK_Q,
                 WarpgroupBackwardConfig::WARPGROUPS,

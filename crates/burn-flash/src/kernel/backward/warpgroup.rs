@@ -8,8 +8,9 @@
 //! `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` (the forward's first product), recomputes `Pᵀ` from the
 //! forward's log-sum-exp and `dSᵀ = Pᵀ ∘ (dPᵀ − D)`, accumulates `dV += Pᵀ·dO` and
 //! `dK += dSᵀ·Q` with the probabilities and `dSᵀ` from registers (the forward's second product),
-//! stages `dSᵀ` in shared memory and adds `dQ += dS·K` over its 64 keys to dQ's f32 accumulator
-//! (the product across rows). No unit is a producer only: the cube's first unit issues the
+//! stages `dSᵀ` in shared memory (two buffers) and, after a barrier of both warpgroups, adds
+//! `dQ += dS·K` over the cube's 128 keys, its half of the columns, to dQ's f32 accumulator (the
+//! product across rows; four columns an atomic add). No unit is a producer only: the cube's first unit issues the
 //! copies, refilling a stage once every unit released it, so the warpgroups keep every register
 //! (the accumulators of dK, dV and dQ and two score tiles need more than the 168 a unit that a
 //! producer's extra warp would leave).
