@@ -247,12 +247,25 @@ pub fn warpgroup_key_value_grads<E: Float, A: Size, Q: Size>(
 
     let mut d_k_acc = Vector::<f32, A>::new(0.0);
     let mut d_v_acc = Vector::<f32, A>::new(0.0);
+    // The statistics of the block a step walks are loaded a step ahead: their loads' latency
+    // passes under a whole step's products instead of the block's first two.
+    // (A cube with no step reads none: its statistics may be an empty tensor.)
+    let mut next_lse = Stats::new(0.0);
+    let mut next_delta = Stats::new(0.0);
+    if steps > 0 {
+        let (first_head, first_start) = step_at.at(0usize);
+        let (lse_ahead, delta_ahead) =
+            load_stats(lse, delta, batch, first_head, first_start, seq_q);
+        next_lse = lse_ahead;
+        next_delta = delta_ahead;
+    }
     owned_full.wait_parity(0);
     for step in 0..steps {
         let stage = step % comptime!(WarpgroupBackwardConfig::STAGES);
         let use_ = step / comptime!(WarpgroupBackwardConfig::STAGES);
         wait_stage(&full, stage, use_ as u32 % 2);
         let (head, q_start) = step_at.at(step);
+        let (row_lse, row_delta) = (next_lse, next_delta);
         let offset = stage_units * stage as u64;
         let s = product::<Const<32>>(
             keys_desc,
@@ -270,7 +283,10 @@ pub fn warpgroup_key_value_grads<E: Float, A: Size, Q: Size>(
             d,
             cfg.bf16,
         );
-        let (row_lse, row_delta) = load_stats(lse, delta, batch, head, q_start, seq_q);
+        // The last step loads its own block's again: in cache, and never read.
+        let (next_head, next_start) = step_at.at(min(step + 1, steps - 1));
+        let (lse_ahead, delta_ahead) =
+            load_stats(lse, delta, batch, next_head, next_start, seq_q);
         wait_products();
         // Only the blocks that cross the keys' end or a diagonal test each score.
         let hidden = crosses_end
@@ -279,6 +295,10 @@ pub fn warpgroup_key_value_grads<E: Float, A: Size, Q: Size>(
             &s, &row_lse, q_start, key_row, seq_k, scale, bound, hidden, cfg,
         );
         let ds = score_grads(&p, &dp, &row_delta);
+        // `row_lse` and `row_delta` name the carried registers themselves (a cube binding
+        // copies nothing): they take the next step's only after their last read.
+        next_lse = lse_ahead;
+        next_delta = delta_ahead;
         d_v_acc = product_pv::<A, Const<16>>(
             d_v_acc,
             fragment::<E>(&p),
