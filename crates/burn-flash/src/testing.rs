@@ -187,9 +187,9 @@ pub(crate) fn record_tma_launch() {
 static FORCED_WARPGROUP_BACKWARD: AtomicUsize = AtomicUsize::new(0);
 
 /// While the returned guard lives, backwards with the atomic dQ take the Hopper backward on
-/// warpgroup products wherever it can run (SM90, head dims 64 and 128, plain or causal; not yet
-/// the default: see `docs/hopper.md`), as `BURN_FLASH_WARPGROUP_BACKWARD=1` does for a
-/// process. Guards nest and may live on several threads at once.
+/// warpgroup products wherever it can run (SM90, head dims 64 and 128, plain or causal; by
+/// default only at head dim 128: see `docs/hopper.md`), as `BURN_FLASH_WARPGROUP_BACKWARD=1`
+/// does for a process. Guards nest and may live on several threads at once.
 ///
 /// # Example
 ///
@@ -215,10 +215,42 @@ pub(crate) fn warpgroup_backward_forced() -> bool {
     Held::any(&FORCED_WARPGROUP_BACKWARD)
 }
 
+static AVOIDED_WARPGROUP_BACKWARD: AtomicUsize = AtomicUsize::new(0);
+
+/// While the returned guard lives (and no [`force_warpgroup_backward`] guard does), backwards
+/// with the atomic dQ run the tensor-core tile's dK/dV launch even where the Hopper backward
+/// would be the default (SM90, head dim 128), as `BURN_FLASH_WARPGROUP_BACKWARD=0` does for a
+/// process: the SM80 path, covered on such a GPU. Guards nest and may live on several threads at
+/// once.
+///
+/// # Example
+///
+/// ```
+/// let tile = burn_flash::testing::avoid_warpgroup_backward();
+/// // ... run attention backwards with the atomic dQ ...
+/// drop(tile);
+/// ```
+#[must_use = "the warpgroup backward is avoided only while the guard lives"]
+pub fn avoid_warpgroup_backward() -> AvoidedWarpgroupBackward {
+    AvoidedWarpgroupBackward {
+        _held: Held::new(&AVOIDED_WARPGROUP_BACKWARD),
+    }
+}
+
+/// Guard of [`avoid_warpgroup_backward`].
+pub struct AvoidedWarpgroupBackward {
+    _held: Held,
+}
+
+/// Whether some [`avoid_warpgroup_backward`] guard lives; read by the backward's plan.
+pub(crate) fn warpgroup_backward_avoided() -> bool {
+    Held::any(&AVOIDED_WARPGROUP_BACKWARD)
+}
+
 static WARPGROUP_BACKWARDS: AtomicUsize = AtomicUsize::new(0);
 
-/// How many backwards of this process have run on Hopper's warpgroup products
-/// ([`force_warpgroup_backward`]), so tests can tell that the path ran.
+/// How many backwards of this process have run on Hopper's warpgroup products (by default at
+/// head dim 128, or [`force_warpgroup_backward`]), so tests can tell that the path ran.
 ///
 /// # Example
 ///

@@ -6,7 +6,8 @@
 //! and walks the query blocks of 64 rows that see them, for each query head of its key/value
 //! head's group, Q and dO in a ring of three stages. Per block, each warpgroup runs
 //! `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` (the forward's first product), recomputes `Pᵀ` from the
-//! forward's log-sum-exp and `dSᵀ = Pᵀ ∘ (dPᵀ − D)`, accumulates `dV += Pᵀ·dO` and
+//! forward's log-sum-exp and `dSᵀ = Pᵀ ∘ (dPᵀ − D)` (both statistics loaded a block ahead),
+//! accumulates `dV += Pᵀ·dO` and
 //! `dK += dSᵀ·Q` with the probabilities and `dSᵀ` from registers (the forward's second product),
 //! stages `dSᵀ` in shared memory (two buffers) and, after a barrier of both warpgroups, adds
 //! `dQ += dS·K` over the cube's 128 keys, its half of the columns, to dQ's f32 accumulator (the
@@ -285,8 +286,7 @@ pub fn warpgroup_key_value_grads<E: Float, A: Size, Q: Size>(
         );
         // The last step loads its own block's again: in cache, and never read.
         let (next_head, next_start) = step_at.at(min(step + 1, steps - 1));
-        let (lse_ahead, delta_ahead) =
-            load_stats(lse, delta, batch, next_head, next_start, seq_q);
+        let (lse_ahead, delta_ahead) = load_stats(lse, delta, batch, next_head, next_start, seq_q);
         wait_products();
         // Only the blocks that cross the keys' end or a diagonal test each score.
         let hidden = crosses_end
