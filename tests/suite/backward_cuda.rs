@@ -554,9 +554,9 @@ fn split_tail_matches_reference() {
 }
 
 /// FlashAttention-2 benchmark shapes (16k tokens, hidden 2048) at n = 2048, bf16, against Burn's
-/// own autodiff of `attention_fallback` on the same inputs; the f64 reference covers two sampled
-/// (batch, head) pairs (a full one would take minutes of CPU), the whole fused gradients are
-/// checked for NaN/inf.
+/// own autodiff of `attention_fallback` on the same inputs (the emulated unfused gradients where
+/// CUDA refused one of its launches); the f64 reference covers two sampled (batch, head) pairs
+/// (a full one would take minutes of CPU), the whole fused gradients are checked for NaN/inf.
 #[test]
 fn benchmark_shapes_bf16() {
     let Some(device) = cuda_device("benchmark_shapes_bf16") else {
@@ -606,6 +606,19 @@ fn benchmark_shapes_bf16() {
             }
         }
 
+        // The sampled heads of the inputs and of the fused gradients are read back before
+        // Burn's baseline runs: a launch CUDA refuses marks every buffer it was given as failed
+        // (docs/gpt.md, "the TMA refusal"), the inputs included.
+        let sampled = [(0, 0), (batch - 1, heads - 1)];
+        let head = |t: &Tensor<4>, (b, h): (usize, usize)| t.clone().slice([b..b + 1, h..h + 1]);
+        let ours: Vec<[Vec<f64>; 7]> = sampled
+            .iter()
+            .map(|&bh| {
+                [&q, &k, &v, &upstream, &fused[0], &fused[1], &fused[2]]
+                    .map(|t| to_host(head(t, bh)))
+            })
+            .collect();
+
         let [uq, uk, uv] = [q.clone(), k.clone(), v.clone()].map(|t| t.require_grad());
         let options = FlashAttentionOptions::new().with_causal(causal);
         let out = attention_fallback(
@@ -617,26 +630,52 @@ fn benchmark_shapes_bf16() {
             options.into(),
         );
         let grads = (out * upstream.clone()).sum().backward();
-        let unfused = [&uq, &uk, &uv].map(|t| t.grad(&grads).unwrap());
+        let unfused = [&uq, &uk, &uv].map(|t| t.grad(&grads));
+        // Burn's autodiff of its unfused attention is the baseline where it runs; where CUDA
+        // refused one of its launches (Burn 0.23.0-pre.1 on Hopper, depending on its autotune's
+        // order) the emulated unfused gradients in the same dtype stand in, as on the small
+        // shapes, and the refusal is printed.
+        let fallback: Result<Vec<[Vec<f64>; 3]>, String> = sampled
+            .iter()
+            .map(|&bh| {
+                let mut heads = Vec::with_capacity(3);
+                for grad in &unfused {
+                    let grad = grad.as_ref().ok_or("no gradient")?;
+                    let data = head(grad, bh)
+                        .try_into_data()
+                        .map_err(|e| format!("{e:?}"))?;
+                    heads.push(data.iter::<f64>().collect::<Vec<f64>>());
+                }
+                Ok([heads.remove(0), heads.remove(0), heads.remove(0)])
+            })
+            .collect();
+        if let Err(why) = &fallback {
+            eprintln!("{label}: Burn's unfused baseline failed ({why}); the emulated one instead");
+        }
 
         let problem = Problem::square(1, 1, n, head_dim);
-        for (b, h) in [(0, 0), (batch - 1, heads - 1)] {
-            let head = |t: &Tensor<4>| to_host(t.clone().slice([b..b + 1, h..h + 1]));
-            let (rq, rk, rv) = reference_grads(
-                &problem,
-                &head(&q),
-                &head(&k),
-                &head(&v),
-                &head(&upstream),
-                causal,
-                None,
-            );
-            let [fq, fk, fv] = fused.each_ref().map(head);
-            let [bq, bk, bv] = unfused.each_ref().map(head);
+        for (index, &(b, h)) in sampled.iter().enumerate() {
+            let [hq, hk, hv, hup, fq, fk, fv] = &ours[index];
+            let (rq, rk, rv) = reference_grads(&problem, hq, hk, hv, hup, causal, None);
+            let [bq, bk, bv] = match &fallback {
+                Ok(heads) => heads[index].clone(),
+                Err(_) => {
+                    let narrow = |x: &[f64]| x.iter().map(|&v| v as f32).collect::<Vec<f32>>();
+                    let inputs = Inputs {
+                        problem,
+                        dtype,
+                        q: narrow(hq),
+                        k: narrow(hk),
+                        v: narrow(hv),
+                    };
+                    let (bq, bk, bv) = unfused_grads(&inputs, &narrow(hup), causal, None);
+                    [bq, bk, bv]
+                }
+            };
             failures.extend(judge_all(
                 &format!("{label} head ({b}, {h})"),
                 dtype,
-                [&fq, &fk, &fv],
+                [fq, fk, fv],
                 [&bq, &bk, &bv],
                 [&rq, &rk, &rv],
                 [head_dim; 3],
