@@ -646,7 +646,7 @@ fn benchmark_shapes_bf16() {
                         .map_err(|e| format!("{e:?}"))?;
                     heads.push(data.iter::<f64>().collect::<Vec<f64>>());
                 }
-                Ok([heads.remove(0), heads.remove(0), heads.remove(0)])
+                Ok(heads.try_into().expect("three gradients"))
             })
             .collect();
         if let Err(why) = &fallback {

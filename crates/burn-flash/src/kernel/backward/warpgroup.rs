@@ -7,12 +7,12 @@
 //! head's group, Q and dO in a ring of three stages. Per block, each warpgroup runs
 //! `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` (the forward's first product), recomputes `Pᵀ` from the
 //! forward's log-sum-exp and `dSᵀ = Pᵀ ∘ (dPᵀ − D)` (both statistics loaded a block ahead),
-//! accumulates `dV += Pᵀ·dO` and
-//! `dK += dSᵀ·Q` with the probabilities and `dSᵀ` from registers (the forward's second product),
-//! stages `dSᵀ` in shared memory (two buffers) and, after a barrier of both warpgroups, adds
-//! `dQ += dS·K` over the cube's 128 keys, its half of the columns, to dQ's f32 accumulator (the
-//! product across rows; four columns an atomic add). No unit is a producer only: the cube's first unit issues the
-//! copies, refilling a stage once every unit released it, so the warpgroups keep every register
+//! accumulates `dV += Pᵀ·dO` and `dK += dSᵀ·Q` with the probabilities and `dSᵀ` from registers
+//! (the forward's second product), stages `dSᵀ` in shared memory (two buffers) and, after a
+//! barrier of both warpgroups, adds `dQ += dS·K` over the cube's 128 keys, its half of the
+//! columns, to dQ's f32 accumulator (the product across rows; four columns an atomic add). No
+//! unit is a producer only: the cube's first unit issues the copies, refilling a stage once
+//! every unit released it, so the warpgroups keep every register
 //! (the accumulators of dK, dV and dQ and two score tiles need more than the 168 a unit that a
 //! producer's extra warp would leave).
 
