@@ -30,7 +30,7 @@ pack() {
 }
 pack_gpt() {
   rm -f .gpu/gpt .gpu/gpt.xz .gpu/fortunes.tar
-  cargo build --release --features cuda -p gpt --message-format json \
+  cargo build --release --features cuda,autotune -p gpt --message-format json \
     | executables bin | while read -r name exe; do cp "$exe" ".gpu/$name"; done
   strip .gpu/gpt && pack .gpu/gpt
   # Debian's fortunes, the corpus of docs/gpt.md's runs, where installed here (the GPU machine
