@@ -98,7 +98,7 @@ for stage in "$@"; do
     # that hits its time limit still returns every log in one file.
     alone=${PTESTS_ALONE:-benchmark_shapes}
     serial=${PTESTS_SERIAL:-beyond_2_pow_31}
-    logs=/tmp/ptests && rm -rf "$logs" && mkdir -p "$logs"
+    logs=${PTESTS_LOGS:-/tmp/ptests} && rm -rf "$logs" && mkdir -p "$logs"
     collect_unfinished() {
       for f in "$logs"/*.log; do
         [ -e "$f" ] && { echo "=== $(basename "$f" .log) (unfinished)"; cat "$f"; } >>"$OUT/ptests.log"

@@ -245,6 +245,9 @@ pub struct WarpgroupConfig {
     pub causal: bool,
     /// The inputs are bf16 (else f16).
     pub bf16: bool,
+    /// Each cube walks query blocks in a loop (one cube an SM), the next block's queries and
+    /// first keys copied while the current one finishes; else one cube a query block.
+    pub persistent: bool,
 }
 
 impl WarpgroupConfig {
@@ -260,7 +263,14 @@ impl WarpgroupConfig {
             warpgroups: if head_dim <= 64 { 3 } else { 2 },
             causal,
             bf16,
+            persistent: false,
         }
+    }
+
+    /// Query blocks a cube holds at once: two where it walks them in a loop (the next one's
+    /// copy in flight), else one.
+    pub fn query_slots(&self) -> usize {
+        if self.persistent { 2 } else { 1 }
     }
 
     /// Query rows per cube.
@@ -268,10 +278,10 @@ impl WarpgroupConfig {
         64 * self.warpgroups
     }
 
-    /// Shared memory of one cube for 16-bit inputs: the query block and two stages of K and V,
+    /// Shared memory of one cube for 16-bit inputs: its query blocks and two stages of K and V,
     /// each on a 1024-byte boundary (the swizzle's period), plus their barriers.
     pub fn shared_bytes(&self) -> usize {
-        let rows = self.block_q() + 4 * Self::BLOCK_KV;
+        let rows = self.query_slots() * self.block_q() + 4 * Self::BLOCK_KV;
         rows * self.head_dim * 2 + 3 * TMA_ALIGN + 64
     }
 }

@@ -175,11 +175,16 @@ impl fmt::Display for ForwardPlan {
             return write!(
                 f,
                 "warpgroup tile (wgmma): {} queries × {}-key stages, {} warpgroups and a \
-                 producer warp, Q, K and V by tensor maps{}",
+                 producer warp, Q, K and V by tensor maps{}{}",
                 warpgroup.block_q(),
                 WarpgroupConfig::BLOCK_KV,
                 warpgroup.warpgroups,
-                if warpgroup.causal { ", causal" } else { "" }
+                if warpgroup.causal { ", causal" } else { "" },
+                if warpgroup.persistent {
+                    ", persistent cubes"
+                } else {
+                    ""
+                }
             );
         }
         write!(
@@ -227,6 +232,23 @@ fn warpgroup_override() -> Option<bool> {
     *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP"))
 }
 
+/// `BURN_FLASH_WARPGROUP_PERSISTENT=0|1`: the Hopper forward's cubes one a query block or
+/// persistent (one an SM, walking query blocks in a loop) whatever the mask, for tuning runs.
+fn persistent_override() -> Option<bool> {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP_PERSISTENT"))
+}
+
+/// Whether persistent cubes lead one cube a query block: without a causal mask (under one, a
+/// static stride hands a cube blocks of any length), at head dim 128, and at 64 below 2048
+/// keys, where its 32 bytes of spills (a store and a load each key block) cost more than the
+/// overlap of a block's end with the next one's start saves. Measured on the H200
+/// (`docs/perf-notes.md`, 2026-11-30): head dim 128 +8 % at 1k keys, +5 % at 2k, +1–3 % from
+/// 4k; 64 +4 % at 1k, ±1 % at 2k, −2 % from 4k; causal −3 … −40 %.
+fn persistent_pays(blocks: &WarpgroupConfig, problem: &ForwardProblem) -> bool {
+    !blocks.causal && (blocks.head_dim == 128 || problem.seq_k < 2048)
+}
+
 /// Keys a query block walks from which the Hopper forward leads the tensor-core tile.
 const WARPGROUP_MIN_KEYS: usize = 1024;
 
@@ -248,8 +270,8 @@ fn warpgroup_pays(blocks: &WarpgroupConfig, problem: &ForwardProblem) -> bool {
 /// the tensor-core tile on a device with warpgroup products (SM90: [`DeviceCaps::wgmma`]),
 /// head dim 64 or 128 for queries and values alike, plain or causal attention over whole
 /// batches of keys (no mask or bias input, window's left side, softcap, dropout, ALiBi, key
-/// lengths, pages, packed sequences or split keys). `BURN_FLASH_WARPGROUPS=2|3` overrides its
-/// warpgroups for tuning runs.
+/// lengths, pages, packed sequences or split keys), on persistent cubes where
+/// [`persistent_pays`]. `BURN_FLASH_WARPGROUPS=2|3` overrides its warpgroups for tuning runs.
 fn warpgroup_blocks(
     caps: &DeviceCaps,
     cfg: &TileConfig,
@@ -261,6 +283,10 @@ fn warpgroup_blocks(
     let blocks = WarpgroupConfig::new(problem.head_dim, params.mask.right, problem.dtype == BF16);
     let blocks = WarpgroupConfig {
         warpgroups: warpgroups.unwrap_or(blocks.warpgroups),
+        ..blocks
+    };
+    let blocks = WarpgroupConfig {
+        persistent: persistent_override().unwrap_or_else(|| persistent_pays(&blocks, problem)),
         ..blocks
     };
     let runs = caps.wgmma
@@ -566,11 +592,26 @@ mod tests {
         let plain = problem(64, FlashAttentionOptions::new(), ScoreFacts::default());
         assert_eq!(
             blocks(&caps::h100(), &plain),
-            Some(WarpgroupConfig::new(64, false, true))
+            Some(WarpgroupConfig::new(64, false, true)),
+            "one cube a query block at head dim 64 over 4k keys"
         );
+        let short = ForwardProblem {
+            seq_k: 1024,
+            ..plain
+        };
+        let persistent = |problem: &ForwardProblem| {
+            blocks(&caps::h100(), problem).map(|blocks| blocks.persistent)
+        };
+        assert_eq!(persistent(&short), Some(true), "head dim 64, 1k keys");
+        let plain_128 = problem(128, FlashAttentionOptions::new(), ScoreFacts::default());
+        assert_eq!(persistent(&plain_128), Some(true), "head dim 128, 4k keys");
         let d128 = problem(128, causal, ScoreFacts::default());
         let wide = blocks(&caps::h100(), &d128).expect("causal head dim 128");
-        assert_eq!((wide.warpgroups, wide.causal), (2, true));
+        assert_eq!(
+            (wide.warpgroups, wide.causal, wide.persistent),
+            (2, true, false),
+            "causal blocks one a cube"
+        );
         assert_eq!(
             blocks(&caps::a100(), &plain),
             None,

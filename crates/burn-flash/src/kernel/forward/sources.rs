@@ -59,7 +59,17 @@ pub fn forward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>,
         let [k_map, v_map] =
             [&k, &v].map(|t| tensor_map(t.arg(), dtype, WarpgroupConfig::BLOCK_KV));
         let (count, dim) = (
-            cube_count(&warpgroup, batch, heads, seq),
+            cube_count(
+                &warpgroup,
+                batch,
+                heads,
+                seq,
+                target
+                    .device
+                    .hardware
+                    .num_streaming_multiprocessors
+                    .map(|n| n as usize),
+            ),
             cube_dim(&warpgroup),
         );
         return Ok(vec![PlannedKernel::of(

@@ -9,8 +9,12 @@
 //! barriers saying when. Each warpgroup runs `S = Q·Kᵀ`, the online softmax on the
 //! accumulators (a row's four lanes combined by shuffles), then `O += P·V`, waiting on nothing
 //! of the others: they fall out of step, and one's softmax runs while another's products hold
-//! the tensor cores. Plain and causal attention (any diagonal offset), head dims 64 and 128,
-//! 16-bit inputs; every other feature takes the tensor-core tile.
+//! the tensor cores. Persistent (`cfg.persistent`), a cube per SM walks query blocks in a
+//! loop, two query slots deep, so that the next block's queries and first keys are in flight
+//! while the current block's last products run and its rows are written: an SM holds one cube,
+//! whose start and end would otherwise idle it. Plain and causal attention (any diagonal
+//! offset), head dims 64 and 128, 16-bit inputs; every other feature takes the tensor-core
+//! tile.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -41,7 +45,8 @@ type Probabilities = Vector<u32, Const<32>>;
 
 /// Enqueue the forward of contiguous `q: [b, h, sq, d]` and `k`, `v: [b, hkv, sk, d]` (rows
 /// readable by tensor maps) into `out: [b, h, sq, d]` and `lse: [b, h, sq]`, as `cfg` plans it
-/// ([`ForwardPlan::warpgroup`](super::plan::ForwardPlan::warpgroup)).
+/// ([`ForwardPlan::warpgroup`](super::plan::ForwardPlan::warpgroup)): persistent cubes one an
+/// SM.
 pub(crate) fn launch(
     q: &KernelTensor,
     k: &KernelTensor,
@@ -51,12 +56,29 @@ pub(crate) fn launch(
     params: &ScoreParams,
     cfg: WarpgroupConfig,
 ) {
+    let sms = q.client.properties().hardware.num_streaming_multiprocessors;
+    launch_cubes(q, k, v, out, lse, params, cfg, sms.map(|n| n as usize));
+}
+
+/// [`launch`] with `resident` persistent cubes (all the query blocks' where `None`); a
+/// one-block-a-cube `cfg` ignores it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_cubes(
+    q: &KernelTensor,
+    k: &KernelTensor,
+    v: &KernelTensor,
+    out: &KernelTensor,
+    lse: &KernelTensor,
+    params: &ScoreParams,
+    cfg: WarpgroupConfig,
+    resident: Option<usize>,
+) {
     let dims = q.meta.shape();
     let (batch, heads, seq_q) = (dims[0], dims[1], dims[2]);
     let (kv_heads, seq_k) = (k.meta.shape()[1], k.meta.shape()[2]);
     let map =
         |t: &KernelTensor, rows: usize| tensor_map(t.clone().into_tensor_arg(), t.dtype, rows);
-    let cube_count = cube_count(&cfg, batch, heads, seq_q);
+    let cube_count = cube_count(&cfg, batch, heads, seq_q, resident);
     let cube_dim = cube_dim(&cfg);
     assert!(
         matches!(cfg.head_dim, 64 | 128),
@@ -107,25 +129,33 @@ pub(crate) fn tensor_map(tensor: TensorArg, dtype: ElemType, rows: usize) -> Ten
     TensorMapArg::new(TiledArgs::new(boxed), tensor, dtype).with_swizzle(TensorMapSwizzle::B128)
 }
 
-/// The grid: one cube per (query block, head, batch).
+/// The grid: one cube per (query block, head, batch); persistent, one dimension of `resident`
+/// cubes at most (one an SM), each walking every `resident`-th query block.
 pub(crate) fn cube_count(
     cfg: &WarpgroupConfig,
     batch: usize,
     heads: usize,
     seq_q: usize,
+    resident: Option<usize>,
 ) -> CubeCount {
-    CubeCount::Static(
-        seq_q.div_ceil(cfg.block_q()) as u32,
-        heads as u32,
-        batch as u32,
-    )
+    let q_blocks = seq_q.div_ceil(cfg.block_q());
+    if cfg.persistent {
+        let blocks = q_blocks * heads * batch;
+        let cubes = resident.map_or(blocks, |r| r.clamp(1, blocks.max(1)));
+        CubeCount::Static(u32::try_from(cubes).expect("query blocks under 2^32"), 1, 1)
+    } else {
+        CubeCount::Static(q_blocks as u32, heads as u32, batch as u32)
+    }
 }
 
-/// The forward of one 128-row query block of one (batch, head): `q_map`, `k_map`, `v_map` are
-/// tensor maps of `[b, h, sq, d]` queries and `[b, hkv, sk, d]` keys and values (boxes of 128
-/// rows × 64 columns, 128-byte swizzle); `out` is `[b, h, sq, d]`, `lse` `[b, h, sq]` (natural
-/// log, `-inf` where a row sees no key). Key `j` is visible to query `i` where `j < seq_k` and,
-/// with `cfg.causal`, `j <= i + bound`. `O` is the value accumulators' vector (`d / 2`).
+/// The forward of 128-row query blocks of `[b, h, sq, d]` queries: one a cube (the grid's
+/// x, y, z being the block, head and batch), or, with `cfg.persistent`, every
+/// `CUBE_COUNT_X`-th block from `CUBE_POS_X` (query block fastest, then head, then batch).
+/// `q_map`, `k_map`, `v_map` are tensor maps of the queries and of `[b, hkv, sk, d]` keys and
+/// values (boxes of 64 columns, 128-byte swizzle); `out` is `[b, h, sq, d]`, `lse` `[b, h, sq]`
+/// (natural log, `-inf` where a row sees no key). Key `j` is visible to query `i` where
+/// `j < seq_k` and, with `cfg.causal`, `j <= i + bound`. `O` is the value accumulators' vector
+/// (`d / 2`).
 // The cube's built-ins are placeholder constants on the host side, where rustc would evaluate
 // the grid's reversal; in the kernel `CUBE_POS_X < CUBE_COUNT_X`.
 #[allow(arithmetic_overflow)]
@@ -149,152 +179,383 @@ pub fn warpgroup_forward<E: Float, O: Size>(
     let computing = comptime!(consumers(&cfg) as u32);
     let block_kv = comptime!(WarpgroupConfig::BLOCK_KV);
     let d = comptime!(cfg.head_dim);
-    // Causal: the grid runs backwards, so the longest row blocks start first.
-    let x = if comptime!(cfg.causal) {
-        CUBE_COUNT_X - 1 - CUBE_POS_X
-    } else {
-        CUBE_POS_X
-    };
-    let (batch, head) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
-    let kv_head = head / group as usize;
-    let q_start = x as usize * block_q;
+    let q_len = comptime!(block_q * d);
     let seq_q = out.shape(2);
     let seq_k = seq_k as usize;
-    let end = key_blocks_end(q_start, seq_k, bound, cfg);
 
-    let mut queries = Shared::<[E]>::new_aligned_slice(comptime!(block_q * d), 1024usize);
+    let mut queries =
+        Shared::<[E]>::new_aligned_slice(comptime!(cfg.query_slots() * q_len), 1024usize);
     let mut keys = Shared::<[E]>::new_aligned_slice(comptime!(2 * block_kv * d), 1024usize);
     let mut values = Shared::<[E]>::new_aligned_slice(comptime!(2 * block_kv * d), 1024usize);
-    // A stage is full when the copy engine has written it (the producer's one arrival, with the
-    // bytes it expects), empty when every consumer unit is done with it.
+    // A stage or query slot is full when the copy engine has written it (the producer's one
+    // arrival, with the bytes it expects), empty when every consumer unit is done with it.
     let queries_full = Barrier::shared(1, UNIT_POS == 0);
     let first_full = Barrier::shared(1, UNIT_POS == 0);
     let second_full = Barrier::shared(1, UNIT_POS == 0);
     let first_empty = Barrier::shared(computing, UNIT_POS == 0);
     let second_empty = Barrier::shared(computing, UNIT_POS == 0);
-    // The copy engine completes on the barriers: their initialisation must be visible to it.
-    sync_async_proxy_shared();
-    sync_cube();
 
-    if UNIT_POS == computing {
-        // The producer: the queries, then each key block as soon as its stage is empty (the
-        // block two before it consumed: use `n` of a stage waits for release `n - 1`).
-        queries_full.arrive_and_expect_tx(1, comptime!((block_q * d * 2) as u32));
-        load_panels::<E>(
-            &queries_full,
-            q_map,
-            &mut queries,
-            0,
-            batch,
-            head,
-            q_start,
-            block_q,
-            d,
-        );
-        for block in 0..end {
-            let stage = block % 2;
-            let release = (block / 2 + 1) as u32 % 2;
-            if stage == 0 {
-                if block >= 2 {
-                    first_empty.wait_parity(release);
-                }
-                fetch_block::<E>(
-                    &first_full,
-                    k_map,
-                    v_map,
-                    &mut keys,
-                    &mut values,
-                    0,
-                    batch,
-                    kv_head,
-                    block,
-                    cfg,
-                );
+    if comptime!(cfg.persistent) {
+        // The second query slot, and both slots' release.
+        let second_queries_full = Barrier::shared(1, UNIT_POS == 0);
+        let queries_empty = Barrier::shared(computing, UNIT_POS == 0);
+        let second_queries_empty = Barrier::shared(computing, UNIT_POS == 0);
+        // The copy engine completes on the barriers: their initialisation must be visible to it.
+        sync_async_proxy_shared();
+        sync_cube();
+        let heads = out.shape(1);
+        let q_blocks = seq_q.div_ceil(block_q);
+        let tiles = out.shape(0) * heads * q_blocks;
+        // `ring` counts the key blocks of the query blocks walked before, `walked` those.
+        let mut ring = 0usize;
+        let mut walked = 0usize;
+        let mut tile = CUBE_POS_X as usize;
+        while tile < tiles {
+            // Query block fastest; under a causal mask a head's blocks last-first.
+            let within = tile % q_blocks;
+            let x = if comptime!(cfg.causal) {
+                q_blocks - 1 - within
             } else {
-                if block >= 2 {
-                    second_empty.wait_parity(release);
-                }
-                fetch_block::<E>(
-                    &second_full,
-                    k_map,
-                    v_map,
-                    &mut keys,
-                    &mut values,
-                    1,
-                    batch,
-                    kv_head,
-                    block,
-                    cfg,
-                );
-            }
-        }
-    } else if UNIT_POS < computing {
-        let unit = UNIT_POS as usize % 128;
-        let warpgroup = UNIT_POS as usize / 128;
-        // This unit's two rows of the warpgroup's 64: `16 w + lane / 4` and 8 below.
-        let row = q_start + warpgroup * 64 + position(unit, 0usize).0;
-        let rows_start = q_start + warpgroup * 64;
-        // Descriptors in 16-byte units: the warpgroup's 64 rows of the query block's panels,
-        // and each stage's first key row.
-        let query_desc =
-            descriptor::<E>(&queries) + comptime!((64 * 64 * 2 / 16) as u64) * warpgroup as u64;
-        let keys_desc = descriptor::<E>(&keys);
-        let values_desc = descriptor_across_rows::<E>(&values, comptime!((block_kv * 128) as u64));
-        let stage_units = comptime!((block_kv * d * 2 / 16) as u64);
-
-        let mut o = Vector::<f32, O>::new(0.0);
-        let mut row_max = Array::<f32>::new(2usize);
-        let mut row_sum = Array::<f32>::new(2usize);
-        #[unroll]
-        for h in 0..2usize {
-            row_max[h] = neg_inf;
-            row_sum[h] = 0.0;
-        }
-        queries_full.wait_parity(0);
-
-        for block in 0..end {
-            let stage = block % 2;
-            let filled = (block / 2) as u32 % 2;
-            if stage == 0 {
-                first_full.wait_parity(filled);
-            } else {
-                second_full.wait_parity(filled);
-            }
-            let stage_offset = stage_units * stage as u64;
-            let s = product::<Const<64>>(
-                query_desc,
-                keys_desc + stage_offset,
-                block_q,
-                block_kv,
-                d,
-                cfg.bf16,
-            );
-            wait_products();
-            let key_start = block * block_kv;
-            // Only the blocks that cross the sequence's end or a diagonal of the warpgroup's
-            // rows test each score.
-            let crosses_end = key_start + block_kv > seq_k;
-            let crosses_diagonal = comptime!(cfg.causal)
-                && (key_start + block_kv - 1) as i32 > rows_start as i32 + bound;
-            let s = if crosses_end || crosses_diagonal {
-                masked_scores(s, key_start, row, seq_k, bound, neg_inf, cfg)
-            } else {
-                s
+                within
             };
-            let p = online_softmax::<E, O>(&s, scale, &mut o, &mut row_max, &mut row_sum, neg_inf);
-            o = product_pv::<O, Const<32>>(o, p, values_desc + stage_offset, block_kv, d, cfg.bf16);
-            wait_products();
-            if stage == 0 {
-                first_empty.arrive();
-            } else {
-                second_empty.arrive();
+            let (batch, head) = (tile / q_blocks / heads, tile / q_blocks % heads);
+            let q_start = x * block_q;
+            let end = key_blocks_end(q_start, seq_k, bound, cfg);
+            let slot = walked % 2;
+            if UNIT_POS == computing {
+                // Use `n` of a slot waits for its release `n - 1`.
+                let release = (walked / 2 + 1) as u32 % 2;
+                if slot == 0 {
+                    if walked >= 2 {
+                        queries_empty.wait_parity(release);
+                    }
+                    load_queries::<E>(
+                        &queries_full,
+                        q_map,
+                        &mut queries,
+                        0,
+                        batch,
+                        head,
+                        q_start,
+                        cfg,
+                    );
+                } else {
+                    if walked >= 2 {
+                        second_queries_empty.wait_parity(release);
+                    }
+                    load_queries::<E>(
+                        &second_queries_full,
+                        q_map,
+                        &mut queries,
+                        q_len,
+                        batch,
+                        head,
+                        q_start,
+                        cfg,
+                    );
+                }
+                produce_blocks::<E>(
+                    ring,
+                    end,
+                    &first_full,
+                    &second_full,
+                    &first_empty,
+                    &second_empty,
+                    k_map,
+                    v_map,
+                    &mut keys,
+                    &mut values,
+                    batch,
+                    head / group as usize,
+                    cfg,
+                );
+            } else if UNIT_POS < computing {
+                let filled = (walked / 2) as u32 % 2;
+                if slot == 0 {
+                    queries_full.wait_parity(filled);
+                } else {
+                    second_queries_full.wait_parity(filled);
+                }
+                attend_rows::<E, O>(
+                    ring,
+                    end,
+                    comptime!((q_len * 2 / 16) as u64) * slot as u64,
+                    &queries,
+                    &keys,
+                    &values,
+                    &first_full,
+                    &second_full,
+                    &first_empty,
+                    &second_empty,
+                    out,
+                    lse,
+                    batch,
+                    head,
+                    q_start,
+                    seq_q,
+                    seq_k,
+                    scale,
+                    bound,
+                    neg_inf,
+                    cfg,
+                );
+                // The slot's queries are read by the scores' products alone, all waited for.
+                if slot == 0 {
+                    queries_empty.arrive();
+                } else {
+                    second_queries_empty.arrive();
+                }
             }
+            ring += end;
+            walked += 1;
+            tile += CUBE_COUNT_X as usize;
         }
-
-        write_rows::<E, O>(
-            &o, &row_max, &row_sum, out, lse, batch, head, row, seq_q, scale, neg_inf,
-        );
+    } else {
+        sync_async_proxy_shared();
+        sync_cube();
+        // Causal: the grid runs backwards, so the longest row blocks start first.
+        let x = if comptime!(cfg.causal) {
+            CUBE_COUNT_X - 1 - CUBE_POS_X
+        } else {
+            CUBE_POS_X
+        };
+        let (batch, head) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
+        let q_start = x as usize * block_q;
+        let end = key_blocks_end(q_start, seq_k, bound, cfg);
+        if UNIT_POS == computing {
+            load_queries::<E>(
+                &queries_full,
+                q_map,
+                &mut queries,
+                0,
+                batch,
+                head,
+                q_start,
+                cfg,
+            );
+            produce_blocks::<E>(
+                0usize,
+                end,
+                &first_full,
+                &second_full,
+                &first_empty,
+                &second_empty,
+                k_map,
+                v_map,
+                &mut keys,
+                &mut values,
+                batch,
+                head / group as usize,
+                cfg,
+            );
+        } else if UNIT_POS < computing {
+            queries_full.wait_parity(0);
+            attend_rows::<E, O>(
+                0usize,
+                end,
+                0u64,
+                &queries,
+                &keys,
+                &values,
+                &first_full,
+                &second_full,
+                &first_empty,
+                &second_empty,
+                out,
+                lse,
+                batch,
+                head,
+                q_start,
+                seq_q,
+                seq_k,
+                scale,
+                bound,
+                neg_inf,
+                cfg,
+            );
+        }
     }
+}
+
+/// The producer's copy of a query block's rows `[q_start, q_start + block_q)` of (batch, head)
+/// into the query slot at `slot`, completing on `full` (its arrival with the bytes expected
+/// first, so that the phase cannot complete without them).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_queries<E: Float>(
+    full: &Barrier,
+    q_map: &TensorMap<E, Tiled>,
+    queries: &mut Shared<[E]>,
+    slot: usize,
+    batch: usize,
+    head: usize,
+    q_start: usize,
+    #[comptime] cfg: WarpgroupConfig,
+) {
+    let block_q = comptime!(cfg.block_q());
+    full.arrive_and_expect_tx(1, comptime!((block_q * cfg.head_dim * 2) as u32));
+    load_panels::<E>(
+        full,
+        q_map,
+        queries,
+        slot,
+        batch,
+        head,
+        q_start,
+        block_q,
+        cfg.head_dim,
+    );
+}
+
+/// The producer's copies of a query block's `end` key blocks of (batch, kv_head) into the
+/// ring's two stages, each as soon as it is empty: the block's `ring + block`-th use of the
+/// ring waits for its stage's release by the use two before.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn produce_blocks<E: Float>(
+    ring: usize,
+    end: usize,
+    first_full: &Barrier,
+    second_full: &Barrier,
+    first_empty: &Barrier,
+    second_empty: &Barrier,
+    k_map: &TensorMap<E, Tiled>,
+    v_map: &TensorMap<E, Tiled>,
+    keys: &mut Shared<[E]>,
+    values: &mut Shared<[E]>,
+    batch: usize,
+    kv_head: usize,
+    #[comptime] cfg: WarpgroupConfig,
+) {
+    for block in 0..end {
+        let issued = ring + block;
+        let stage = issued % 2;
+        let release = (issued / 2 + 1) as u32 % 2;
+        if stage == 0 {
+            if issued >= 2 {
+                first_empty.wait_parity(release);
+            }
+            fetch_block::<E>(
+                first_full, k_map, v_map, keys, values, 0, batch, kv_head, block, cfg,
+            );
+        } else {
+            if issued >= 2 {
+                second_empty.wait_parity(release);
+            }
+            fetch_block::<E>(
+                second_full,
+                k_map,
+                v_map,
+                keys,
+                values,
+                1,
+                batch,
+                kv_head,
+                block,
+                cfg,
+            );
+        }
+    }
+}
+
+/// A computing unit's part of a query block (its queries in `queries` from 16-byte unit
+/// `slot_units`, already full): the online softmax over its `end` key blocks, each the
+/// `ring + block`-th use of the ring (waited for full, released once its values product is
+/// done), then its rows of `out` and `lse` written.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend_rows<E: Float, O: Size>(
+    ring: usize,
+    end: usize,
+    slot_units: u64,
+    queries: &Shared<[E]>,
+    keys: &Shared<[E]>,
+    values: &Shared<[E]>,
+    first_full: &Barrier,
+    second_full: &Barrier,
+    first_empty: &Barrier,
+    second_empty: &Barrier,
+    out: &mut Tensor<E>,
+    lse: &mut Tensor<f32>,
+    batch: usize,
+    head: usize,
+    q_start: usize,
+    seq_q: usize,
+    seq_k: usize,
+    scale: f32,
+    bound: i32,
+    neg_inf: f32,
+    #[comptime] cfg: WarpgroupConfig,
+) {
+    let block_q = comptime!(cfg.block_q());
+    let block_kv = comptime!(WarpgroupConfig::BLOCK_KV);
+    let d = comptime!(cfg.head_dim);
+    let unit = UNIT_POS as usize % 128;
+    let warpgroup = UNIT_POS as usize / 128;
+    // This unit's two rows of the warpgroup's 64: `16 w + lane / 4` and 8 below.
+    let row = q_start + warpgroup * 64 + position(unit, 0usize).0;
+    let rows_start = q_start + warpgroup * 64;
+    // Descriptors in 16-byte units: the warpgroup's 64 rows of the query block's panels,
+    // and each stage's first key row.
+    let query_desc = descriptor::<E>(queries)
+        + slot_units
+        + comptime!((64 * 64 * 2 / 16) as u64) * warpgroup as u64;
+    let keys_desc = descriptor::<E>(keys);
+    let values_desc = descriptor_across_rows::<E>(values, comptime!((block_kv * 128) as u64));
+    let stage_units = comptime!((block_kv * d * 2 / 16) as u64);
+
+    let mut o = Vector::<f32, O>::new(0.0);
+    let mut row_max = Array::<f32>::new(2usize);
+    let mut row_sum = Array::<f32>::new(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        row_max[h] = neg_inf;
+        row_sum[h] = 0.0;
+    }
+
+    for block in 0..end {
+        let issued = ring + block;
+        let stage = issued % 2;
+        let filled = (issued / 2) as u32 % 2;
+        if stage == 0 {
+            first_full.wait_parity(filled);
+        } else {
+            second_full.wait_parity(filled);
+        }
+        let stage_offset = stage_units * stage as u64;
+        let s = product::<Const<64>>(
+            query_desc,
+            keys_desc + stage_offset,
+            block_q,
+            block_kv,
+            d,
+            cfg.bf16,
+        );
+        wait_products();
+        let key_start = block * block_kv;
+        // Only the blocks that cross the sequence's end or a diagonal of the warpgroup's
+        // rows test each score.
+        let crosses_end = key_start + block_kv > seq_k;
+        let crosses_diagonal =
+            comptime!(cfg.causal) && (key_start + block_kv - 1) as i32 > rows_start as i32 + bound;
+        let s = if crosses_end || crosses_diagonal {
+            masked_scores(s, key_start, row, seq_k, bound, neg_inf, cfg)
+        } else {
+            s
+        };
+        let p = online_softmax::<E, O>(&s, scale, &mut o, &mut row_max, &mut row_sum, neg_inf);
+        o = product_pv::<O, Const<32>>(o, p, values_desc + stage_offset, block_kv, d, cfg.bf16);
+        wait_products();
+        if stage == 0 {
+            first_empty.arrive();
+        } else {
+            second_empty.arrive();
+        }
+    }
+
+    write_rows::<E, O>(
+        &o, &row_max, &row_sum, out, lse, batch, head, row, seq_q, scale, neg_inf,
+    );
 }
 
 /// The key blocks the query block `[q_start, q_start + cfg.block_q())` sees: up to the sequence's end

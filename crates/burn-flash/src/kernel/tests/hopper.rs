@@ -10,7 +10,7 @@ use super::{Case, Inputs, Rng, assert_close};
 use crate::kernel::ScoreParams;
 use crate::kernel::config::WarpgroupConfig;
 use crate::kernel::device::DeviceCaps;
-use crate::kernel::forward::warpgroup::launch;
+use crate::kernel::forward::warpgroup::launch_cubes;
 use crate::kernel::tensors::{BF16, F32, KernelTensor, ScoreInputs, output};
 use crate::kernel::tile::wgmma::{
     descriptor, descriptor_across_rows, fragment_position, position, product, product_across_rows,
@@ -430,13 +430,14 @@ fn upload(client: &Client, values: &mut [f32], dims: [usize; 4], bf16: bool) -> 
     }
 }
 
-/// One case through [`launch`] against the f64 reference on the same rounded inputs, the
+/// One case through [`launch_cubes`] (one cube a query block where `resident` is `None`, else
+/// that many persistent cubes) against the f64 reference on the same rounded inputs, the
 /// outputs poisoned (NaN) before the launch. The output is within 2⁻⁷ of the largest
 /// magnitude (at least 1): it is rounded to 16 bits (2⁻⁹) and the probabilities enter the
 /// second product in 16 bits (2⁻⁹ each, summed with weights that add to 1); a wrong row,
 /// column, key block or mask is off by the size of the values. The log-sum-exp is f32
 /// arithmetic on exact products: within 1e-4.
-fn check(client: &Client, case: &Case, bf16: bool, seed: u64) {
+fn check(client: &Client, case: &Case, bf16: bool, resident: Option<usize>, seed: u64) {
     crate::testing::poison_outputs(true);
     let mut inputs = Inputs::draw(case, seed);
     let q = upload(client, &mut inputs.q, case.q_dims(), bf16);
@@ -452,8 +453,11 @@ fn check(client: &Client, case: &Case, bf16: bool, seed: u64) {
     );
     let out = output(&q, case.out_dims().into(), q.dtype);
     let lse = output(&q, [case.batch, case.heads, case.seq_q].into(), F32);
-    let cfg = WarpgroupConfig::new(case.head_dim, params.mask.right, bf16);
-    launch(&q, &k, &v, &out, &lse, &params, cfg);
+    let cfg = WarpgroupConfig {
+        persistent: resident.is_some(),
+        ..WarpgroupConfig::new(case.head_dim, params.mask.right, bf16)
+    };
+    launch_cubes(&q, &k, &v, &out, &lse, &params, cfg, resident);
     let got: Vec<f32> = if bf16 {
         out.read::<half::bf16>()
             .iter()
@@ -462,7 +466,7 @@ fn check(client: &Client, case: &Case, bf16: bool, seed: u64) {
     } else {
         out.read::<half::f16>().iter().map(|x| x.to_f32()).collect()
     };
-    let label = format!("{case:?} bf16={bf16}");
+    let label = format!("{case:?} bf16={bf16} resident={resident:?}");
     assert_close(&format!("{label}: out"), &got, &expected_out, 1.0 / 128.0);
     assert_close(
         &format!("{label}: lse"),
@@ -493,7 +497,34 @@ fn warpgroup_forward_matches_the_reference_cuda() {
         (Case::new(1, 1, 129, 1, 128), false),
     ];
     for (n, (case, bf16)) in cases.iter().enumerate() {
-        check(&client, case, *bf16, 5000 + n as u64);
+        check(&client, case, *bf16, None, 5000 + n as u64);
+    }
+}
+
+/// The persistent forward: each of a few cubes walks query blocks of several heads and
+/// batches (uneven counts, so that cubes end at different blocks), its query slots and key
+/// stages reused across blocks; causal too (the plan keeps it on one cube a block, but the
+/// kernel takes it).
+#[test]
+fn persistent_warpgroup_forward_matches_the_reference_cuda() {
+    let Some(client) = hopper_or_skip("persistent_warpgroup_forward_matches_the_reference_cuda")
+    else {
+        return;
+    };
+    let cases = [
+        // 2 · 3 · 2 = 12 blocks over 5 cubes; the last block of each head partial.
+        (Case::new(2, 3, 300, 300, 64), true, 5),
+        // 2 · 4 · 3 = 24 blocks over 7 cubes, GQA, keys ending inside a block.
+        (Case::new(2, 4, 384, 520, 128).kv_heads(2), true, 7),
+        // One cube walks all 4 blocks.
+        (Case::new(1, 2, 256, 130, 128), false, 1),
+        // More cubes than blocks.
+        (Case::new(1, 1, 129, 200, 64), true, 16),
+        // Causal: blocks of different lengths, some rows seeing no key.
+        (Case::new(2, 2, 333, 260, 128).causal(), true, 3),
+    ];
+    for (n, (case, bf16, resident)) in cases.iter().enumerate() {
+        check(&client, case, *bf16, Some(*resident), 5100 + n as u64);
     }
 }
 
