@@ -9,5 +9,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo run --release --features cuda -p burn-flash --example kernel_sources -- "$@"
 shopt -s nullglob
-kernels=("$1"/flash_forward*.cu "$1"/key_value_grads*.cu "$1"/query_grads*.cu "$1"/row_dot*.cu)
+kernels=("$1"/flash_forward*.cu "$1"/key_value_grads*.cu "$1"/query_grads*.cu "$1"/row_dot*.cu
+  "$1"/warpgroup_*.cu)
 scripts/profile/ptxas/compile.sh "${kernels[@]}"

@@ -7,8 +7,11 @@
 //! ```
 //!
 //! For bf16 and each head dim `d`, with and without the causal mask, it writes the forward
-//! (`flash_forward_d<d>_<mask>`) and the backward with the deterministic dQ
-//! (`key_value_grads_d<d>_<mask>_det`, `query_grads_d<d>_<mask>_det`) and with the atomic dQ
+//! (`flash_forward_d<d>_<mask>`, on SM90 `warpgroup_forward_d<d>_<mask>` where the plan takes
+//! the Hopper forward) and the backward with the deterministic dQ
+//! (`key_value_grads_d<d>_<mask>_det`, on SM90 at head dim 128
+//! `warpgroup_key_value_grads_d<d>_<mask>_det`, the Hopper backward without its atomic dQ;
+//! then `query_grads_d<d>_<mask>_det`) and with the atomic dQ
 //! (`key_value_grads_d<d>_<mask>_atomic`, forced wherever the device can run it, as
 //! `burn_flash::testing::force_atomic_dq` does; where the plan splits the last wave, one file per
 //! part, `_whole` and `_pieces`) and on SM90 the Hopper backward

@@ -296,6 +296,9 @@ pub struct WarpgroupBackwardConfig {
     pub causal: bool,
     /// The inputs are bf16 (else f16).
     pub bf16: bool,
+    /// dQ added by f32 atomics from this launch (`dS·K` over the cube's keys); else dQ is
+    /// another launch's (the deterministic dQ), and this one computes dK and dV alone.
+    pub atomic_dq: bool,
 }
 
 impl WarpgroupBackwardConfig {
@@ -317,12 +320,21 @@ impl WarpgroupBackwardConfig {
         128 * Self::WARPGROUPS
     }
 
+    /// Elements of the `dSᵀ` buffers of the owned keys, two for the atomic dQ's products (none
+    /// needed without them: one 64-element placeholder).
+    pub fn scores_grad_elems(&self) -> usize {
+        if self.atomic_dq {
+            2 * self.block_k() * 64
+        } else {
+            64
+        }
+    }
+
     /// Shared memory of one cube for 16-bit inputs: the owned keys and values, the ring of Q
-    /// and dO, two buffers of `dSᵀ` of the owned keys, each on a 1024-byte boundary, plus their
-    /// barriers.
+    /// and dO, the `dSᵀ` buffers, each on a 1024-byte boundary, plus their barriers.
     pub fn shared_bytes(&self) -> usize {
         let rows = 2 * self.block_k() + 2 * Self::STAGES * Self::BLOCK_Q;
-        (rows * self.head_dim + 2 * self.block_k() * 64) * 2 + 5 * TMA_ALIGN + 7 * 8
+        (rows * self.head_dim + self.scores_grad_elems()) * 2 + 5 * TMA_ALIGN + 7 * 8
     }
 }
 

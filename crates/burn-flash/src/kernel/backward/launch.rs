@@ -356,11 +356,18 @@ fn launch(
         #[cfg(feature = "cuda")]
         if let Some(warpgroup) = warpgroup {
             crate::testing::record_warpgroup_backward();
-            let accum = accum
-                .as_ref()
-                .expect("the warpgroup backward sums dQ by atomics");
             super::warpgroup::launch(
-                &q, &k, &v, &d_out, &lse, &delta, &d_k, &d_v, accum, &params, warpgroup,
+                &q,
+                &k,
+                &v,
+                &d_out,
+                &lse,
+                &delta,
+                &d_k,
+                &d_v,
+                accum.as_ref(),
+                &params,
+                warpgroup,
             );
         }
         macro_rules! launch_grads {

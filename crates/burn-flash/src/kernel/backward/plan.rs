@@ -84,7 +84,8 @@ pub struct BackwardPlan {
     /// The split of the dK/dV launch's last wave, if any.
     pub tail: Option<TailPlan>,
     /// The backward on Hopper's warpgroup products runs instead of the dK/dV launch
-    /// ([`warpgroup`](super::warpgroup), [`warpgroup_blocks`]); dQ by its atomics.
+    /// ([`warpgroup`](super::warpgroup), [`warpgroup_blocks`]); dQ by its atomics or, with
+    /// the deterministic dQ, by the dQ launch.
     pub warpgroup: Option<WarpgroupBackwardConfig>,
 }
 
@@ -171,7 +172,7 @@ impl BackwardPlan {
         };
         let wanted = crate::testing::warpgroup_backward_forced()
             || (!crate::testing::warpgroup_backward_avoided()
-                && warpgroup_override().unwrap_or(p.head_dim == WARPGROUP_BACKWARD_DEFAULT_DIM));
+                && warpgroup_override().unwrap_or_else(|| warpgroup_pays(&cfg, &p)));
         let warpgroup =
             warpgroup_blocks(caps, &cfg, &p).filter(|_| cfg!(feature = "cuda") && wanted);
         Ok(Self {
@@ -185,21 +186,32 @@ impl BackwardPlan {
     }
 }
 
-/// The head dim at which the Hopper backward runs by default where it can: there its training
-/// step with the atomic dQ measured 1.00–1.10× the tensor-core tile's at every row, plain and
-/// causal, n 2048–16384; at head dim 64 0.81–0.91× (H200, 2026-11-30, `docs/hopper.md`).
-const WARPGROUP_BACKWARD_DEFAULT_DIM: usize = 128;
+/// Whether the Hopper backward leads the tensor-core tile's dK/dV launch, where it can run: at
+/// head dim 128, with the atomic dQ everywhere the plan takes that (its training step measured
+/// 1.00–1.10× the tile's, plain and causal, n 2048–16384), with the deterministic dQ where the
+/// keys walked (half of them under a causal mask) are 2048 or more (1.01–1.06× the tile's
+/// step there; 0.91–0.97× below). At head dim 64, 0.81–0.93× the tile's step either way. H200,
+/// 2026-11-30 (`docs/hopper.md`).
+fn warpgroup_pays(cfg: &TileConfig, p: &BackwardProblem) -> bool {
+    let walked = if p.params.mask.right {
+        p.seq_k / 2
+    } else {
+        p.seq_k
+    };
+    p.head_dim == 128 && (cfg.atomic_dq || walked >= 2048)
+}
 
 /// `BURN_FLASH_WARPGROUP_BACKWARD=1`: the Hopper backward wherever it can run (head dim 64
-/// too); `=0`: the tensor-core tile's everywhere (the SM80 path). Unset: at
-/// [`WARPGROUP_BACKWARD_DEFAULT_DIM`].
+/// too); `=0`: the tensor-core tile's everywhere (the SM80 path). Unset: where
+/// [`warpgroup_pays`].
 fn warpgroup_override() -> Option<bool> {
     static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
     *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP_BACKWARD"))
 }
 
 /// The Hopper backward's blocks ([`warpgroup`](super::warpgroup)) where it can run the
-/// problem: the atomic dQ's plan (`cfg.atomic_dq`) on a device with warpgroup products (SM90:
+/// problem, dQ by its atomics where the plan adds dQ so (`cfg.atomic_dq`), else by the
+/// tensor-core tile's dQ launch after it: on a device with warpgroup products (SM90:
 /// [`DeviceCaps::wgmma`]), head dim 64 or 128 for queries and values alike, plain or causal
 /// attention over whole batches of keys (no mask or bias input, window's left side, softcap,
 /// dropout or ALiBi), every input readable by tensor maps. Not where a test asks for the
@@ -215,10 +227,10 @@ fn warpgroup_blocks(
         head_dim: p.head_dim,
         causal: params.mask.right,
         bf16: p.dtype == crate::kernel::tensors::BF16,
+        atomic_dq: cfg.atomic_dq,
     };
     let runs = caps.wgmma
         && cfg.tile == TilePath::TensorCore
-        && cfg.atomic_dq
         && matches!(p.head_dim, 64 | 128)
         && p.value_dim == p.head_dim
         && params.plain_or_causal()
@@ -233,27 +245,31 @@ fn warpgroup_blocks(
 
 impl fmt::Display for BackwardPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let cfg = &self.key_value;
         if let Some(warpgroup) = &self.warpgroup {
-            return write!(
+            write!(
                 f,
                 "warpgroup dK/dV (wgmma): {} keys × {}-row stages, {} warpgroups, Q, K, V and \
-                 dO by tensor maps{}; dQ by atomics, 4 columns per add",
+                 dO by tensor maps{}",
                 warpgroup.block_k(),
                 WarpgroupBackwardConfig::BLOCK_Q,
                 WarpgroupBackwardConfig::WARPGROUPS,
                 if warpgroup.causal { ", causal" } else { "" }
-            );
-        }
-        let cfg = &self.key_value;
-        write!(
-            f,
-            "dK/dV: {} keys × {}-row stages, {} planes",
-            cfg.block_q, cfg.block_kv, cfg.planes
-        )?;
-        if cfg.tma {
-            write!(f, " (tensor maps)")?;
+            )?;
+        } else {
+            write!(
+                f,
+                "dK/dV: {} keys × {}-row stages, {} planes",
+                cfg.block_q, cfg.block_kv, cfg.planes
+            )?;
+            if cfg.tma {
+                write!(f, " (tensor maps)")?;
+            }
         }
         match self.dq {
+            DqMode::Atomic if self.warpgroup.is_some() => {
+                write!(f, "; dQ by atomics, 4 columns per add")?
+            }
             DqMode::Atomic => write!(f, "; dQ by atomics, {} columns per add", self.dq_width)?,
             DqMode::Launch(reason) => write!(
                 f,
@@ -564,6 +580,10 @@ mod tests {
         if warpgroup_override().is_none() {
             assert!(plan(&h100, 128, false).warpgroup.is_some());
             assert_eq!(plan(&h100, 64, false).warpgroup, None);
+            // The deterministic dQ's from 2048 keys walked.
+            assert!(plan(&h100, 128, true).warpgroup.is_some());
+            let short = BackwardPlan::new(&h100, &problem(128, 1024, true)).unwrap();
+            assert_eq!(short.warpgroup, None);
             let tile = crate::testing::avoid_warpgroup_backward();
             assert_eq!(plan(&h100, 128, false).warpgroup, None);
             drop(tile);
@@ -572,7 +592,10 @@ mod tests {
         for d in [64, 128] {
             let hopper = plan(&h100, d, false);
             let blocks = hopper.warpgroup.expect("the atomic dQ on SM90");
-            assert_eq!((blocks.head_dim, blocks.block_k()), (d, 128));
+            assert_eq!(
+                (blocks.head_dim, blocks.block_k(), blocks.atomic_dq),
+                (d, 128, true)
+            );
             // Two buffers of dSᵀ besides the owned keys and values and three stages: 197 KB at
             // head dim 128 (CubeCL's own count for the kernel: 196664 bytes).
             assert!(
@@ -582,9 +605,21 @@ mod tests {
             );
             assert!(hopper.tail.is_none() && hopper.to_string().contains("wgmma"));
         }
-        // The deterministic dQ, devices without `wgmma` and head dims it has no blocks for
-        // keep the tile.
-        assert_eq!(plan(&h100, 128, true).warpgroup, None);
+        // The deterministic dQ: dK and dV on it, dQ by the tile's launch after it.
+        let deterministic = plan(&h100, 128, true);
+        let blocks = deterministic
+            .warpgroup
+            .expect("the deterministic dQ on SM90");
+        assert!(!blocks.atomic_dq);
+        assert_eq!(
+            deterministic.dq,
+            DqMode::Launch(DqLaunchReason::Deterministic)
+        );
+        assert!(
+            deterministic.to_string().contains("dQ launch"),
+            "{deterministic}"
+        );
+        // Devices without `wgmma` and head dims it has no blocks for keep the tile.
         assert_eq!(plan(&caps::a100(), 128, false).warpgroup, None);
         assert_eq!(plan(&h100, 256, false).warpgroup, None);
     }

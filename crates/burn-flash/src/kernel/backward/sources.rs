@@ -62,8 +62,10 @@ pub fn backward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>
         ..
     } = plan;
     let accum = cfg.atomic_dq.then(|| Placeholder::new(rows, F32));
+    // The Hopper backward in place of the dK/dV launch (the dQ launch after it where dQ is not
+    // its atomics').
     #[cfg(feature = "cuda")]
-    if let (Some(warpgroup), Some(accum)) = (plan.warpgroup, &accum) {
+    let warpgroup_kernel = plan.warpgroup.map(|warpgroup| {
         use super::warpgroup::warpgroup_key_value_grads;
         use crate::kernel::config::WarpgroupBackwardConfig;
         use crate::kernel::forward::warpgroup::tensor_map;
@@ -76,7 +78,7 @@ pub fn backward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>
             batch as u32,
         );
         let dim = CubeDim::new_1d(warpgroup.units() as u32);
-        return Ok(vec![PlannedKernel::of(
+        PlannedKernel::of(
             "warpgroup_key_value_grads",
             &plan,
             &warpgroup,
@@ -97,7 +99,7 @@ pub fn backward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>
                 delta.arg(),
                 d_k.arg(),
                 d_v.arg(),
-                accum.arg(),
+                accum.as_ref().map(Placeholder::arg).into(),
                 seq as u32,
                 1,
                 params.scale,
@@ -106,8 +108,10 @@ pub fn backward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>
                 warpgroup,
                 dtype,
             ),
-        )]);
-    }
+        )
+    });
+    #[cfg(not(feature = "cuda"))]
+    let warpgroup_kernel: Option<PlannedKernel> = None;
     let partials = tail.map(|plan| Placeholder::new(partials_shape(&cfg, plan), F32));
     let key_blocks = seq.div_ceil(cfg.block_q);
     let grid_rows = if cfg.batch_inner { batch } else { heads };
@@ -119,8 +123,13 @@ pub fn backward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>
 
     macro_rules! planned {
         ($tile:ty) => {{
-            let mut kernels = Vec::new();
-            for (grid, part_cfg) in key_value_parts(&cfg, tail, seq, heads, batch) {
+            let mut kernels: Vec<_> = warpgroup_kernel.into_iter().collect();
+            let key_value_parts = if kernels.is_empty() {
+                key_value_parts(&cfg, tail, seq, heads, batch)
+            } else {
+                Vec::new()
+            };
+            for (grid, part_cfg) in key_value_parts {
                 let part_partials = partials
                     .as_ref()
                     .filter(|_| part_cfg.tail == TailPart::Pieces);

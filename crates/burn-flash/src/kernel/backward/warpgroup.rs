@@ -8,9 +8,10 @@
 //! `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` (the forward's first product), recomputes `Pᵀ` from the
 //! forward's log-sum-exp and `dSᵀ = Pᵀ ∘ (dPᵀ − D)` (both statistics loaded a block ahead),
 //! accumulates `dV += Pᵀ·dO` and `dK += dSᵀ·Q` with the probabilities and `dSᵀ` from registers
-//! (the forward's second product), stages `dSᵀ` in shared memory (two buffers) and, after a
-//! barrier of both warpgroups, adds `dQ += dS·K` over the cube's 128 keys, its half of the
-//! columns, to dQ's f32 accumulator (the product across rows; four columns an atomic add). No
+//! (the forward's second product) and, with the atomic dQ, stages `dSᵀ` in shared memory (two
+//! buffers) and, after a barrier of both warpgroups, adds `dQ += dS·K` over the cube's 128 keys,
+//! its half of the columns, to dQ's f32 accumulator (the product across rows; four columns an
+//! atomic add). With the deterministic dQ the tensor-core tile's dQ launch follows instead. No
 //! unit is a producer only: the cube's first unit issues the copies, refilling a stage once
 //! every unit released it, so the warpgroups keep every register
 //! (the accumulators of dK, dV and dQ and two score tiles need more than the 168 a unit that a
@@ -40,8 +41,8 @@ type Ring = (Shared<Barrier>, Shared<Barrier>, Shared<Barrier>);
 
 /// Enqueue the dK/dV launch of contiguous `q`, `d_out: [b, h, sq, d]` and `k`, `v:
 /// [b, hkv, sk, d]` (rows readable by tensor maps), with the forward's `lse: [b, h, sq]`
-/// (natural log) and `delta = rowsum(dO ∘ O)`, writing `d_k`, `d_v` and adding `dS·K` (unscaled)
-/// to `d_q_accum: [b, h, sq, d]` f32, contiguous and zeroed.
+/// (natural log) and `delta = rowsum(dO ∘ O)`, writing `d_k`, `d_v` and, with `cfg.atomic_dq`,
+/// adding `dS·K` (unscaled) to `d_q_accum: [b, h, sq, d]` f32, contiguous and zeroed.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch(
     q: &KernelTensor,
@@ -52,10 +53,15 @@ pub(crate) fn launch(
     delta: &KernelTensor,
     d_k: &KernelTensor,
     d_v: &KernelTensor,
-    d_q_accum: &KernelTensor,
+    d_q_accum: Option<&KernelTensor>,
     params: &ScoreParams,
     cfg: WarpgroupBackwardConfig,
 ) {
+    assert_eq!(
+        cfg.atomic_dq,
+        d_q_accum.is_some(),
+        "the atomic dQ's blocks take its accumulator, the others none"
+    );
     let dims = q.meta.shape();
     let (batch, heads, seq_q) = (dims[0], dims[1], dims[2]);
     let (kv_heads, seq_k) = (k.meta.shape()[1], k.meta.shape()[2]);
@@ -95,7 +101,10 @@ pub(crate) fn launch(
             delta.clone().into_tensor_arg(),
             d_k.clone().into_tensor_arg(),
             d_v.clone().into_tensor_arg(),
-            d_q_accum.clone().into_tensor_arg(),
+            match d_q_accum {
+                Some(accum) => ComptimeOptionArgs::Some(accum.clone().into_tensor_arg()),
+                None => ComptimeOptionArgs::None,
+            },
             seq_q as u32,
             (heads / kv_heads) as u32,
             params.scale * core::f32::consts::LOG2_E,
@@ -107,8 +116,9 @@ pub(crate) fn launch(
     }
 }
 
-/// dK and dV of one block of `cfg.block_k()` keys of one (batch, key/value head), and `dS·K` of
-/// every query block that sees them added to `d_q_accum` (four f32 a vector): `q_map`, `d_out_map`
+/// dK and dV of one block of `cfg.block_k()` keys of one (batch, key/value head), and with
+/// `cfg.atomic_dq` `dS·K` of every query block that sees them added to `d_q_accum` (four f32 a
+/// vector): `q_map`, `d_out_map`
 /// are tensor maps of `[b, h, sq, d]` (boxes of 64 rows × 64 columns), `k_map`, `v_map` of
 /// `[b, hkv, sk, d]` (boxes of `cfg.block_k()` rows); `scale` is the softmax scale times
 /// log2 e, `grad_scale` the softmax scale. Key `j` is visible to query `i` where `j < seq_k`
@@ -126,7 +136,7 @@ pub fn warpgroup_key_value_grads<E: Float, A: Size, Q: Size>(
     delta: &Tensor<f32>,
     d_k: &mut Tensor<E>,
     d_v: &mut Tensor<E>,
-    d_q_accum: &mut Tensor<Atomic<Vector<f32, Const<4>>>>,
+    mut d_q_accum: ComptimeOption<&mut Tensor<Atomic<Vector<f32, Const<4>>>>>,
     seq_q: u32,
     group: u32,
     scale: f32,
@@ -152,9 +162,10 @@ pub fn warpgroup_key_value_grads<E: Float, A: Size, Q: Size>(
     let stages_len = comptime!(WarpgroupBackwardConfig::STAGES * block_q * d);
     let mut queries = Shared::<[E]>::new_aligned_slice(stages_len, 1024usize);
     let mut d_outs = Shared::<[E]>::new_aligned_slice(stages_len, 1024usize);
-    // `dSᵀ` of the owned keys, two buffers: the A operand of the dQ products, a block's written
-    // while the block before it may still be read.
-    let mut scores_grad = Shared::<[E]>::new_aligned_slice(comptime!(2 * block_k * 64), 1024usize);
+    // `dSᵀ` of the owned keys, two buffers: the A operand of the atomic dQ's products, a
+    // block's written while the block before it may still be read.
+    let mut scores_grad =
+        Shared::<[E]>::new_aligned_slice(comptime!(cfg.scores_grad_elems()), 1024usize);
     // A stage is full when the copy engine has written it (the first unit's arrival, with the
     // bytes it expects), empty when every unit is done with it.
     let owned_full = Barrier::shared(1, UNIT_POS == 0);
@@ -315,26 +326,41 @@ pub fn warpgroup_key_value_grads<E: Float, A: Size, Q: Size>(
             d,
             cfg.bf16,
         );
-        // `dSᵀ` through the async proxy to both warpgroups' dQ products; its buffer was last
-        // read two blocks before, which both warpgroups waited on before the last barrier.
-        let buffer = step % 2;
-        store_transposed::<E>(
-            &ds,
-            &mut scores_grad,
-            buffer * block_k * 64 + warpgroup * 64 * 64,
-        );
-        sync_async_proxy_shared();
-        sync_consumers(units);
-        let dq = product_across_rows::<Q>(
-            scores_grad_across + buffer_units * buffer as u64,
-            keys_across,
-            comptime!(cfg.head_dim / 2),
-            block_k,
-            cfg.bf16,
-        );
-        wait_products();
-        release_stage(&empty, stage);
-        add_query_grads::<Q>(&dq, d_q_accum, batch, head, q_start, seq_q, half_columns, d);
+        if comptime!(cfg.atomic_dq) {
+            // `dSᵀ` through the async proxy to both warpgroups' dQ products; its buffer was last
+            // read two blocks before, which both warpgroups waited on before the last barrier.
+            let buffer = step % 2;
+            store_transposed::<E>(
+                &ds,
+                &mut scores_grad,
+                buffer * block_k * 64 + warpgroup * 64 * 64,
+            );
+            sync_async_proxy_shared();
+            sync_consumers(units);
+            let dq = product_across_rows::<Q>(
+                scores_grad_across + buffer_units * buffer as u64,
+                keys_across,
+                comptime!(cfg.head_dim / 2),
+                block_k,
+                cfg.bf16,
+            );
+            wait_products();
+            release_stage(&empty, stage);
+            add_query_grads::<Q>(
+                &dq,
+                &mut d_q_accum,
+                batch,
+                head,
+                q_start,
+                seq_q,
+                half_columns,
+                d,
+            );
+        } else {
+            // The stage's Q and dO are read by the products alone.
+            wait_products();
+            release_stage(&empty, stage);
+        }
         // The first unit refills the stage of the block before this one once every unit
         // released it: a block's copies run while the one before it computes.
         if UNIT_POS == 0 && step >= 1 {
@@ -665,14 +691,14 @@ fn sync_consumers(#[comptime] units: u32) {
 
 /// Add the unit's `dS·K` accumulators (64 query rows × `d / 2` columns from `first_column`, at
 /// [`position`]) to the query rows from `q_start` of (batch, head) in `d_q_accum` (`d`
-/// columns), four columns an atomic add, rows past `seq_q` left. A unit holds two adjacent
+/// columns; nothing without one), four columns an atomic add, rows past `seq_q` left. A unit holds two adjacent
 /// columns of each 8; the pair of units `2t`, `2t + 1` swap one pair per two groups of 8, so
 /// that each holds four adjacent columns of one of them.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn add_query_grads<Q: Size>(
     dq: &Vector<f32, Q>,
-    d_q_accum: &mut Tensor<Atomic<Vector<f32, Const<4>>>>,
+    d_q_accum: &mut ComptimeOption<&mut Tensor<Atomic<Vector<f32, Const<4>>>>>,
     batch: usize,
     head: usize,
     q_start: usize,
@@ -680,37 +706,40 @@ fn add_query_grads<Q: Size>(
     first_column: usize,
     #[comptime] d: usize,
 ) {
-    let unit = UNIT_POS as usize % 128;
-    let odd = unit % 2 == 1;
-    let base = (batch * d_q_accum.shape(1) + head) * seq_q;
-    #[unroll]
-    for half in 0..2usize {
-        let query = q_start + position(unit, comptime!(half * 2)).0;
+    #[comptime]
+    if let ComptimeOption::Some(accum) = d_q_accum {
+        let unit = UNIT_POS as usize % 128;
+        let odd = unit % 2 == 1;
+        let base = (batch * accum.shape(1) + head) * seq_q;
         #[unroll]
-        for pair in 0..comptime!(d / 32) {
-            // Groups of 8 columns `2 pair` and `2 pair + 1`: accumulators `g * 4 + half * 2 + c`.
-            let first = comptime!(pair * 8 + half * 2);
-            let second = comptime!(pair * 8 + 4 + half * 2);
-            let send0 = select(odd, dq.extract(first), dq.extract(second));
-            let send1 = select(
-                odd,
-                dq.extract(comptime!(first + 1)),
-                dq.extract(comptime!(second + 1)),
-            );
-            let got0 = plane_shuffle_xor(send0, 1);
-            let got1 = plane_shuffle_xor(send1, 1);
-            let mut sum = Vector::<f32, Const<4>>::empty();
-            sum.insert(0usize, select(odd, got0, dq.extract(first)));
-            sum.insert(1usize, select(odd, got1, dq.extract(comptime!(first + 1))));
-            sum.insert(2usize, select(odd, dq.extract(second), got0));
-            sum.insert(3usize, select(odd, dq.extract(comptime!(second + 1)), got1));
-            // Even units add group `2 pair`'s columns `2t..2t + 4`, odd ones group
-            // `2 pair + 1`'s from `2t - 2`.
-            let column = first_column
-                + comptime!(pair * 16)
-                + select(odd, 8usize + (unit % 4 - 1) * 2, (unit % 4) * 2);
-            if query < seq_q {
-                d_q_accum[((base + query) * d + column) / 4].fetch_add(sum);
+        for half in 0..2usize {
+            let query = q_start + position(unit, comptime!(half * 2)).0;
+            #[unroll]
+            for pair in 0..comptime!(d / 32) {
+                // Groups of 8 columns `2 pair` and `2 pair + 1`: accumulators `g * 4 + half * 2 + c`.
+                let first = comptime!(pair * 8 + half * 2);
+                let second = comptime!(pair * 8 + 4 + half * 2);
+                let send0 = select(odd, dq.extract(first), dq.extract(second));
+                let send1 = select(
+                    odd,
+                    dq.extract(comptime!(first + 1)),
+                    dq.extract(comptime!(second + 1)),
+                );
+                let got0 = plane_shuffle_xor(send0, 1);
+                let got1 = plane_shuffle_xor(send1, 1);
+                let mut sum = Vector::<f32, Const<4>>::empty();
+                sum.insert(0usize, select(odd, got0, dq.extract(first)));
+                sum.insert(1usize, select(odd, got1, dq.extract(comptime!(first + 1))));
+                sum.insert(2usize, select(odd, dq.extract(second), got0));
+                sum.insert(3usize, select(odd, dq.extract(comptime!(second + 1)), got1));
+                // Even units add group `2 pair`'s columns `2t..2t + 4`, odd ones group
+                // `2 pair + 1`'s from `2t - 2`.
+                let column = first_column
+                    + comptime!(pair * 16)
+                    + select(odd, 8usize + (unit % 4 - 1) * 2, (unit % 4) * 2);
+                if query < seq_q {
+                    accum[((base + query) * d + column) / 4].fetch_add(sum);
+                }
             }
         }
     }

@@ -528,16 +528,17 @@ fn persistent_warpgroup_forward_matches_the_reference_cuda() {
     }
 }
 
-/// One case's gradients through [`backward`] with the atomic dQ on the warpgroup backward
-/// (forced; that it ran is checked), after the fused forward, against the f64 reference gradients
-/// on the same rounded inputs and output gradient, the gradients poisoned (NaN) before the
-/// launches. Within 2⁻⁷ of each gradient's largest magnitude (at least 1): `P` and `dS` enter
+/// One case's gradients through [`backward`] on the warpgroup backward (forced; that it ran is
+/// checked), dQ by its atomics or, `deterministic`, by the dQ launch after it (checked too, and
+/// a second backward equal bit for bit), after the fused forward, against the f64 reference
+/// gradients on the same rounded inputs and output gradient, the gradients poisoned (NaN)
+/// before the launches. Within 2⁻⁷ of each gradient's largest magnitude (at least 1): `P` and `dS` enter
 /// their products in 16 bits (2⁻⁹ each), the gradients are rounded to 16 bits (2⁻⁹), and
 /// `D = rowsum(dO ∘ O)` reads the forward's 16-bit output (2⁻⁹); a wrong row, column, block,
 /// mask or scale is off by the size of the values.
-fn check_grads(client: &Client, case: &Case, bf16: bool, seed: u64) {
+fn check_grads(client: &Client, case: &Case, bf16: bool, deterministic: bool, seed: u64) {
     crate::testing::poison_outputs(true);
-    let _atomic = crate::testing::force_atomic_dq();
+    let _atomic = (!deterministic).then(crate::testing::force_atomic_dq);
     let _hopper = crate::testing::force_warpgroup_backward();
     let mut inputs = Inputs::draw(case, seed);
     let q = upload(client, &mut inputs.q, case.q_dims(), bf16);
@@ -555,21 +556,32 @@ fn check_grads(client: &Client, case: &Case, bf16: bool, seed: u64) {
     let scores = || ScoreInputs::new(None, None);
     let (out, lse) = forward(q.clone(), k.clone(), v.clone(), scores(), None, params);
     let before = crate::testing::warpgroup_backward_launches();
-    let grads = backward(
-        q,
-        k,
-        v,
-        scores(),
-        out,
-        lse,
-        d_out_tensor,
-        params,
-        false,
-        false,
-    );
+    let dq_launches = crate::testing::dq_launches();
+    let run = || {
+        backward(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            scores(),
+            out.clone(),
+            lse.clone(),
+            d_out_tensor.clone(),
+            params,
+            deterministic,
+            false,
+        )
+    };
+    let grads = run();
     assert!(
         crate::testing::warpgroup_backward_launches() > before,
         "{case:?}: the warpgroup backward did not run"
+    );
+    let (atomic, separate) = crate::testing::dq_launches();
+    assert_eq!(
+        (atomic > dq_launches.0, separate > dq_launches.1),
+        (!deterministic, deterministic),
+        "{case:?}: dQ by atomics {}",
+        !deterministic
     );
     let read = |t: &KernelTensor| -> Vec<f32> {
         if bf16 {
@@ -579,10 +591,25 @@ fn check_grads(client: &Client, case: &Case, bf16: bool, seed: u64) {
         }
     };
     let [dq, dk, dv] = inputs.grads(case, &d_out);
-    let label = format!("{case:?} bf16={bf16}");
-    assert_close(&format!("{label}: dQ"), &read(&grads.q), &dq, 1.0 / 128.0);
-    assert_close(&format!("{label}: dK"), &read(&grads.k), &dk, 1.0 / 128.0);
-    assert_close(&format!("{label}: dV"), &read(&grads.v), &dv, 1.0 / 128.0);
+    let label = format!("{case:?} bf16={bf16} deterministic={deterministic}");
+    let got = [read(&grads.q), read(&grads.k), read(&grads.v)];
+    assert_close(&format!("{label}: dQ"), &got[0], &dq, 1.0 / 128.0);
+    assert_close(&format!("{label}: dK"), &got[1], &dk, 1.0 / 128.0);
+    assert_close(&format!("{label}: dV"), &got[2], &dv, 1.0 / 128.0);
+    if deterministic {
+        let again = run();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for (name, (first, second)) in ["dQ", "dK", "dV"].iter().zip(got.iter().zip([
+            read(&again.q),
+            read(&again.k),
+            read(&again.v),
+        ])) {
+            assert!(
+                bits(first) == bits(&second),
+                "{label}: {name} differs between two deterministic backwards"
+            );
+        }
+    }
 }
 
 #[test]
@@ -606,6 +633,27 @@ fn warpgroup_backward_matches_the_reference_cuda() {
         (Case::new(1, 1, 129, 1, 128), false),
     ];
     for (n, (case, bf16)) in cases.iter().enumerate() {
-        check_grads(&client, case, *bf16, 6000 + n as u64);
+        check_grads(&client, case, *bf16, false, 6000 + n as u64);
+    }
+}
+
+/// The warpgroup backward without its atomic dQ (the deterministic dQ's plan: dK and dV alone,
+/// dQ by the tensor-core tile's launch after it), bit-for-bit repeatable.
+#[test]
+fn deterministic_warpgroup_backward_matches_the_reference_cuda() {
+    let Some(client) =
+        hopper_or_skip("deterministic_warpgroup_backward_matches_the_reference_cuda")
+    else {
+        return;
+    };
+    let cases = [
+        (Case::new(2, 3, 256, 256, 64), true),
+        (Case::new(2, 4, 300, 300, 64).causal().kv_heads(2), true),
+        (Case::new(1, 2, 200, 520, 128), true),
+        (Case::new(1, 2, 333, 130, 128).causal(), true),
+        (Case::new(2, 4, 384, 384, 128).causal().kv_heads(1), false),
+    ];
+    for (n, (case, bf16)) in cases.iter().enumerate() {
+        check_grads(&client, case, *bf16, true, 6100 + n as u64);
     }
 }
