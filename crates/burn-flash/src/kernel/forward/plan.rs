@@ -239,12 +239,13 @@ fn persistent_override() -> Option<bool> {
     *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP_PERSISTENT"))
 }
 
-/// Whether persistent cubes lead one cube a query block: without a causal mask (under one, a
-/// static stride hands a cube blocks of any length), at head dim 128, and at 64 below 2048
-/// keys, where its 32 bytes of spills (a store and a load each key block) cost more than the
-/// overlap of a block's end with the next one's start saves. Measured on the H200
-/// (`docs/perf-notes.md`, 2026-11-30): head dim 128 +8 % at 1k keys, +5 % at 2k, +1–3 % from
-/// 4k; 64 +4 % at 1k, ±1 % at 2k, −2 % from 4k; causal −3 … −40 %.
+/// Whether persistent cubes lead one cube a query block: without a causal mask, at head dim
+/// 128, and at 64 below 2048 keys, where its 32 bytes of spills (a store and a load each key
+/// block) cost more than the overlap of a block's end with the next one's start saves.
+/// Measured on the H200 (`docs/perf-notes.md`, 2026-11-30): head dim 128 +8 % at 1k keys, +5 %
+/// at 2k, +1–3 % from 4k; 64 +4 % at 1k, ±1 % at 2k, −2 % from 4k; causal up to −40 % with a
+/// plain stride over blocks of unequal length (the balanced order since is not yet measured,
+/// `docs/hopper.md`).
 fn persistent_pays(blocks: &WarpgroupConfig, problem: &ForwardProblem) -> bool {
     !blocks.causal && (blocks.head_dim == 128 || problem.seq_k < 2048)
 }
