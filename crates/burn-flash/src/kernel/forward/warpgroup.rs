@@ -42,6 +42,8 @@ fn consumers(cfg: &WarpgroupConfig) -> usize {
 type Scores = Vector<f32, Const<64>>;
 /// The probabilities' registers of a unit for one block of 128 keys (8 k-steps of 4).
 type Probabilities = Vector<u32, Const<32>>;
+/// One barrier per stage of the key/value ring (two stages).
+type Ring = (Shared<Barrier>, Shared<Barrier>);
 
 /// Enqueue the forward of contiguous `q: [b, h, sq, d]` and `k`, `v: [b, hkv, sk, d]` (rows
 /// readable by tensor maps) into `out: [b, h, sq, d]` and `lse: [b, h, sq]`, as `cfg` plans it
@@ -190,10 +192,14 @@ pub fn warpgroup_forward<E: Float, O: Size>(
     // A stage or query slot is full when the copy engine has written it (the producer's one
     // arrival, with the bytes it expects), empty when every consumer unit is done with it.
     let queries_full = Barrier::shared(1, UNIT_POS == 0);
-    let first_full = Barrier::shared(1, UNIT_POS == 0);
-    let second_full = Barrier::shared(1, UNIT_POS == 0);
-    let first_empty = Barrier::shared(computing, UNIT_POS == 0);
-    let second_empty = Barrier::shared(computing, UNIT_POS == 0);
+    let full = (
+        Barrier::shared(1, UNIT_POS == 0),
+        Barrier::shared(1, UNIT_POS == 0),
+    );
+    let empty = (
+        Barrier::shared(computing, UNIT_POS == 0),
+        Barrier::shared(computing, UNIT_POS == 0),
+    );
 
     if comptime!(cfg.persistent) {
         // The second query slot, and both slots' release.
@@ -249,10 +255,8 @@ pub fn warpgroup_forward<E: Float, O: Size>(
                 produce_blocks::<E>(
                     ring,
                     end,
-                    &first_full,
-                    &second_full,
-                    &first_empty,
-                    &second_empty,
+                    &full,
+                    &empty,
                     k_map,
                     v_map,
                     &mut keys,
@@ -275,10 +279,8 @@ pub fn warpgroup_forward<E: Float, O: Size>(
                     &queries,
                     &keys,
                     &values,
-                    &first_full,
-                    &second_full,
-                    &first_empty,
-                    &second_empty,
+                    &full,
+                    &empty,
                     out,
                     lse,
                     batch,
@@ -332,10 +334,8 @@ pub fn warpgroup_forward<E: Float, O: Size>(
             produce_blocks::<E>(
                 0usize,
                 end,
-                &first_full,
-                &second_full,
-                &first_empty,
-                &second_empty,
+                &full,
+                &empty,
                 k_map,
                 v_map,
                 &mut keys,
@@ -347,27 +347,8 @@ pub fn warpgroup_forward<E: Float, O: Size>(
         } else if UNIT_POS < computing {
             queries_full.wait_parity(0);
             attend_rows::<E, O>(
-                0usize,
-                end,
-                0u64,
-                &queries,
-                &keys,
-                &values,
-                &first_full,
-                &second_full,
-                &first_empty,
-                &second_empty,
-                out,
-                lse,
-                batch,
-                head,
-                q_start,
-                seq_q,
-                seq_k,
-                scale,
-                bound,
-                neg_inf,
-                cfg,
+                0usize, end, 0u64, &queries, &keys, &values, &full, &empty, out, lse, batch, head,
+                q_start, seq_q, seq_k, scale, bound, neg_inf, cfg,
             );
         }
     }
@@ -464,10 +445,8 @@ fn load_queries<E: Float>(
 fn produce_blocks<E: Float>(
     ring: usize,
     end: usize,
-    first_full: &Barrier,
-    second_full: &Barrier,
-    first_empty: &Barrier,
-    second_empty: &Barrier,
+    full: &Ring,
+    empty: &Ring,
     k_map: &TensorMap<E, Tiled>,
     v_map: &TensorMap<E, Tiled>,
     keys: &mut Shared<[E]>,
@@ -482,26 +461,17 @@ fn produce_blocks<E: Float>(
         let release = (issued / 2 + 1) as u32 % 2;
         if stage == 0 {
             if issued >= 2 {
-                first_empty.wait_parity(release);
+                empty.0.wait_parity(release);
             }
             fetch_block::<E>(
-                first_full, k_map, v_map, keys, values, 0, batch, kv_head, block, cfg,
+                &full.0, k_map, v_map, keys, values, 0, batch, kv_head, block, cfg,
             );
         } else {
             if issued >= 2 {
-                second_empty.wait_parity(release);
+                empty.1.wait_parity(release);
             }
             fetch_block::<E>(
-                second_full,
-                k_map,
-                v_map,
-                keys,
-                values,
-                1,
-                batch,
-                kv_head,
-                block,
-                cfg,
+                &full.1, k_map, v_map, keys, values, 1, batch, kv_head, block, cfg,
             );
         }
     }
@@ -520,10 +490,8 @@ fn attend_rows<E: Float, O: Size>(
     queries: &Shared<[E]>,
     keys: &Shared<[E]>,
     values: &Shared<[E]>,
-    first_full: &Barrier,
-    second_full: &Barrier,
-    first_empty: &Barrier,
-    second_empty: &Barrier,
+    full: &Ring,
+    empty: &Ring,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
     batch: usize,
@@ -567,9 +535,9 @@ fn attend_rows<E: Float, O: Size>(
         let stage = issued % 2;
         let filled = (issued / 2) as u32 % 2;
         if stage == 0 {
-            first_full.wait_parity(filled);
+            full.0.wait_parity(filled);
         } else {
-            second_full.wait_parity(filled);
+            full.1.wait_parity(filled);
         }
         let stage_offset = stage_units * stage as u64;
         let s = product::<Const<64>>(
@@ -596,9 +564,9 @@ fn attend_rows<E: Float, O: Size>(
         o = product_pv::<O, Const<32>>(o, p, values_desc + stage_offset, block_kv, d, cfg.bf16);
         wait_products();
         if stage == 0 {
-            first_empty.arrive();
+            empty.0.arrive();
         } else {
-            second_empty.arrive();
+            empty.1.arrive();
         }
     }
 
