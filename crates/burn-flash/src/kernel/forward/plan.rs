@@ -239,15 +239,22 @@ fn persistent_override() -> Option<bool> {
     *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP_PERSISTENT"))
 }
 
-/// Whether persistent cubes lead one cube a query block: without a causal mask, at head dim
+/// Whether persistent cubes lead one cube a query block. Without a causal mask: at head dim
 /// 128, and at 64 below 2048 keys, where its 32 bytes of spills (a store and a load each key
-/// block) cost more than the overlap of a block's end with the next one's start saves.
-/// Measured on the H200 (`docs/perf-notes.md`, 2026-11-30): head dim 128 +8 % at 1k keys, +5 %
-/// at 2k, +1–3 % from 4k; 64 +4 % at 1k, ±1 % at 2k, −2 % from 4k; causal up to −40 % with a
-/// plain stride over blocks of unequal length (the balanced order since is not yet measured,
-/// `docs/hopper.md`).
+/// block) cost more than the overlap of a block's end with the next one's start saves. Under a
+/// causal mask (blocks of unequal lengths, dealt longest first): up to 2048 keys at head dim
+/// 128 and 4096 at 64; beyond, one cube a block, launched longest first, balances as well and
+/// starts sooner. Measured on the H200 (`docs/perf-notes.md`): head dim 128 plain +8 % at 1k
+/// keys, +5 % at 2k, +1–3 % from 4k; 64 plain +4 % at 1k, ±1 % at 2k, −2 % from 4k
+/// (2026-11-30); causal 128 +8.5 % at 2k, −1 … −3 % from 4k; causal 64 +4 % at 2k and 4k,
+/// −2.5 % from 8k (2026-12-01).
 fn persistent_pays(blocks: &WarpgroupConfig, problem: &ForwardProblem) -> bool {
-    !blocks.causal && (blocks.head_dim == 128 || problem.seq_k < 2048)
+    match (blocks.causal, blocks.head_dim) {
+        (false, 128) => true,
+        (false, _) => problem.seq_k < 2048,
+        (true, 128) => problem.seq_k <= 2048,
+        (true, _) => problem.seq_k <= 4096,
+    }
 }
 
 /// Keys a query block walks from which the Hopper forward leads the tensor-core tile.
@@ -611,7 +618,27 @@ mod tests {
         assert_eq!(
             (wide.warpgroups, wide.causal, wide.persistent),
             (2, true, false),
-            "causal blocks one a cube"
+            "causal blocks one a cube over 4k keys at head dim 128"
+        );
+        let causal_at = |d: usize, seq: usize| ForwardProblem {
+            seq_q: seq,
+            seq_k: seq,
+            ..problem(d, causal, ScoreFacts::default())
+        };
+        assert_eq!(
+            persistent(&causal_at(128, 2048)),
+            Some(true),
+            "causal 128, 2k"
+        );
+        assert_eq!(
+            persistent(&causal_at(64, 4096)),
+            Some(true),
+            "causal 64, 4k"
+        );
+        assert_eq!(
+            persistent(&causal_at(64, 8192)),
+            Some(false),
+            "causal 64, 8k"
         );
         assert_eq!(
             blocks(&caps::a100(), &plain),
