@@ -97,7 +97,7 @@ use clap::builder::RangedU64ValueParser;
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, ValueEnum};
 
-use common::{Backend, Clear, Impl, median_ms, name, select_device, timed};
+use common::{Backend, Clear, ClearKind, Impl, median_ms, name, select_device, timed};
 
 /// Attention timings of burn-flash against Burn's attention, as CSV (see the header of
 /// `benches/attention.rs`).
@@ -679,7 +679,8 @@ fn measure(
 ) -> Outcome {
     PANICKED.store(false, Ordering::SeqCst);
     let result = catch_unwind(AssertUnwindSafe(|| {
-        let mut clear = (args.timing == Timing::Clear).then(|| Clear::new(device));
+        let mut clear =
+            (args.timing == Timing::Clear).then(|| Clear::new(device, ClearKind::Write));
         // First call: compilation and autotune, not timed against the budget.
         let (first, _) = calls.timed_batch(device, 0, 1, clear.as_mut());
         eprintln!("{row}: first call {first:.2?}");

@@ -33,8 +33,15 @@
 //! alone, then a batch of clears each followed by a call; the median of the samples' per-call
 //! differences is reported (`nan` where it is not positive). On wgpu the calls run back to back
 //! without clears (lavapipe is a CPU: its rows are a smoke test). The first call (compilation,
-//! autotune) and `--warmup` more are not timed. `burn-builtin` is not a default: Burn 0.23's `attention` autotunes for minutes per new
-//! shape on CUDA.
+//! autotune) and `--warmup` more are not timed. `burn-builtin` is not a default: Burn 0.23's
+//! `attention` autotunes for minutes per new shape on CUDA.
+//!
+//! `--clear write` (the default) writes the pass, as `do_bench` zeroes its buffer: the call then
+//! finds the L2 cache full of written lines, and its reads write as many back to memory as
+//! they evict (up to the cache's size: about 50 MB on an H100 or H200, ~10 µs at 4.8 TB/s).
+//! `--clear read` only reads it (a sum), leaving the cache cold and clean, as in a model, where
+//! the layers before attention mostly read their weights; the torch script takes the same
+//! flag, so both sides are timed alike either way.
 
 mod common;
 
@@ -49,7 +56,7 @@ use burn_flash::{
 use clap::Parser;
 use clap::builder::RangedU64ValueParser;
 
-use common::{Backend, Clear, Impl, median_ms, name, select_device, timed};
+use common::{Backend, Clear, ClearKind, Impl, median_ms, name, select_device, timed};
 
 /// Decode timings of burn-flash against Burn's attention, as CSV (see the header of
 /// `benches/decode.rs`).
@@ -109,6 +116,11 @@ struct Args {
     /// multiple of 64) through a block table, each sequence's length given as `sk`.
     #[arg(long)]
     page_size: Option<usize>,
+    /// The pass before each timed call on CUDA: `write` leaves the L2 cache full of written
+    /// lines (as `do_bench`'s zeroing), `read` cold and clean; `scripts/torch_decode_bench.py`
+    /// takes the same flag.
+    #[arg(long, value_enum, default_value_t = ClearKind::Write)]
+    clear: ClearKind,
 }
 
 /// How burn-flash finds the cached keys besides the dense call: each sequence's length read
@@ -256,7 +268,7 @@ fn main() {
     } else {
         (DType::F32, 4, "f32")
     };
-    let mut clear = cuda.then(|| Clear::new(&device));
+    let mut clear = cuda.then(|| Clear::new(&device, args.clear));
     // Half a second of clears before the first row, so that it does not time the memory pool
     // growing under its clears or the clocks rising: the first row of each process ran slower
     // than its neighbours (H200, 2026-11-29: b 1, 32/32 heads, 4k keys at 0.085 ms, slower

@@ -236,7 +236,8 @@ EOF
     ;;
   decode)
     # Decoding against a KV cache: PyTorch's backends and ours on the same shapes, same call
-    # (DECODE_ARGS: the flags both programs take, --b --sk --hkv --hq --sq --d --max-cache-gib).
+    # (DECODE_ARGS: the flags both programs take, --b --sk --hkv --hq --sq --d --max-cache-gib
+    # --clear).
     # DECODE_VARIANTS: space-separated settings our rows run under, each `plan` (the plan's
     # choices) or comma-separated VAR=value pairs (e.g. BURN_FLASH_KV_SPLITS=1,BURN_FLASH_PACK_GROUPS=0);
     # all in one decode.csv, the setting in its first column. DECODE_IMPLS: our bench's

@@ -59,19 +59,49 @@ pub fn select_device(backend: Backend) -> Result<(Device, bool), &'static str> {
     Ok((device, false))
 }
 
-/// The buffer a clearing pass goes over before each call: 128 MiB of `i32`, reversed (read and
-/// written: 256 MiB moved, more than the L2 cache of any card holds; PyTorch's `do_bench` zeroes
-/// 256 MB). A reversal is a gather, which Burn's fusion does not merge into the next reversal,
-/// so each clear runs as a kernel of its own.
-pub struct Clear(Tensor<1, Int>);
+/// How a clearing pass leaves the L2 cache before each timed call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ClearKind {
+    /// 128 MiB of `i32` reversed (read and written: 256 MiB moved, more than the L2 cache of any
+    /// card holds), as PyTorch's `do_bench` zeroes 256 MB: the cache is left full of written
+    /// lines, which the timed call's own reads write back to memory as they evict them.
+    Write,
+    /// 256 MiB of `f32` summed (read only): the cache is left cold and clean, as in a model,
+    /// where the layers before attention mostly read their weights.
+    Read,
+}
+
+/// The buffer a clearing pass goes over before each call ([`ClearKind`]). A reversal is a
+/// gather, which Burn's fusion does not merge into the next reversal, so each clear runs as a
+/// kernel of its own; a sum is added into the previous sums, so none is left unused.
+pub struct Clear {
+    kind: ClearKind,
+    /// The reversed buffer (one element where reading).
+    written: Tensor<1, Int>,
+    /// The summed buffer (one element where writing) and the sums so far.
+    read: Tensor<1>,
+    sums: Tensor<1>,
+}
 
 impl Clear {
-    pub fn new(device: &Device) -> Self {
-        Self(Tensor::zeros([32 << 20], device))
+    pub fn new(device: &Device, kind: ClearKind) -> Self {
+        let (written, read) = match kind {
+            ClearKind::Write => (32 << 20, 1),
+            ClearKind::Read => (1, 64 << 20),
+        };
+        Self {
+            kind,
+            written: Tensor::zeros([written], device),
+            read: Tensor::zeros([read], device),
+            sums: Tensor::zeros([1], device),
+        }
     }
 
     pub fn run(&mut self) {
-        self.0 = self.0.clone().flip([0]);
+        match self.kind {
+            ClearKind::Write => self.written = self.written.clone().flip([0]),
+            ClearKind::Read => self.sums = self.sums.clone() + self.read.clone().sum(),
+        }
     }
 }
 
