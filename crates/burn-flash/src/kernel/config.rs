@@ -248,6 +248,10 @@ pub struct WarpgroupConfig {
     /// Each cube walks query blocks in a loop (one cube an SM), the next block's queries and
     /// first keys copied while the current one finishes; else one cube a query block.
     pub persistent: bool,
+    /// A boolean mask input, packed into bits for blocks of [`block_q`](Self::block_q) rows
+    /// and [`BLOCK_KV`](Self::BLOCK_KV) keys ([`pack`](super::pack)), hides keys: each query
+    /// block walks only the key blocks from the first its mask lets it see to the last.
+    pub mask: Switch,
 }
 
 impl WarpgroupConfig {
@@ -264,6 +268,7 @@ impl WarpgroupConfig {
             causal,
             bf16,
             persistent: false,
+            mask: Switch(false),
         }
     }
 

@@ -14,7 +14,8 @@
 //! while the current block's last products run and its rows are written: an SM holds one cube,
 //! whose start and end would otherwise idle it. Plain and causal attention (any diagonal
 //! offset), head dims 64 and 128, 16-bit inputs; every other feature takes the tensor-core
-//! tile.
+//! tile. A boolean mask packed into bits (`cfg.mask`) is built into the kernel but not yet
+//! planned: its test has not run on a GPU.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -22,6 +23,7 @@ use cubecl::prelude::*;
 use cubecl::zspace::Shape;
 
 use crate::kernel::config::{ScoreParams, TilePath, WarpgroupConfig};
+use crate::kernel::pack::PackedMask;
 use crate::kernel::softmax::{exp2, reciprocal};
 use crate::kernel::tensors::KernelTensor;
 use crate::kernel::tile::wgmma::{
@@ -59,11 +61,23 @@ pub(crate) fn launch(
     cfg: WarpgroupConfig,
 ) {
     let sms = q.client.properties().hardware.num_streaming_multiprocessors;
-    launch_cubes(q, k, v, out, lse, params, cfg, sms.map(|n| n as usize));
+    launch_cubes(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        None,
+        params,
+        cfg,
+        sms.map(|n| n as usize),
+    );
 }
 
 /// [`launch`] with `resident` persistent cubes (all the query blocks' where `None`); a
-/// one-block-a-cube `cfg` ignores it.
+/// one-block-a-cube `cfg` ignores it. With `cfg.mask`, `mask` is the boolean mask packed for
+/// the blocks of `cfg` (`pack_mask(mask, cfg.block_q(), BLOCK_KV)`); the plan does not take
+/// this path yet (it has run in no test on a GPU).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_cubes(
     q: &KernelTensor,
@@ -71,6 +85,7 @@ pub(crate) fn launch_cubes(
     v: &KernelTensor,
     out: &KernelTensor,
     lse: &KernelTensor,
+    mask: Option<&PackedMask>,
     params: &ScoreParams,
     cfg: WarpgroupConfig,
     resident: Option<usize>,
@@ -87,6 +102,11 @@ pub(crate) fn launch_cubes(
         "the plan takes the warpgroup forward at head dims 64 and 128, not {}",
         cfg.head_dim
     );
+    assert_eq!(
+        cfg.mask.0,
+        mask.is_some(),
+        "a packed mask exactly where planned"
+    );
     // SAFETY: the tensor maps bound every read (rows past a sequence arrive as zeros); the
     // kernel writes only rows below `seq_q` of `out` and `lse`, whose shapes the caller
     // allocated from `q`'s, and the caller checked their indices fit 32 bits.
@@ -102,6 +122,9 @@ pub(crate) fn launch_cubes(
             map(v, WarpgroupConfig::BLOCK_KV),
             out.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
+            mask.map(|m| m.words.clone().into_tensor_arg()).into(),
+            mask.map(|m| m.hidden_blocks.clone().into_tensor_arg())
+                .into(),
             seq_k as u32,
             (heads / kv_heads) as u32,
             params.scale * core::f32::consts::LOG2_E,
@@ -156,8 +179,9 @@ pub(crate) fn cube_count(
 /// `q_map`, `k_map`, `v_map` are tensor maps of the queries and of `[b, hkv, sk, d]` keys and
 /// values (boxes of 64 columns, 128-byte swizzle); `out` is `[b, h, sq, d]`, `lse` `[b, h, sq]`
 /// (natural log, `-inf` where a row sees no key). Key `j` is visible to query `i` where
-/// `j < seq_k` and, with `cfg.causal`, `j <= i + bound`. `O` is the value accumulators' vector
-/// (`d / 2`).
+/// `j < seq_k`, with `cfg.causal` `j <= i + bound`, and with `cfg.mask` where the packed mask
+/// (`mask_words` and `hidden_blocks`, [`pack`](crate::kernel::pack), for this config's blocks)
+/// does not hide it. `O` is the value accumulators' vector (`d / 2`).
 // The cube's built-ins are placeholder constants on the host side, where rustc would evaluate
 // the grid's reversal; in the kernel `CUBE_POS_X < CUBE_COUNT_X`.
 #[allow(arithmetic_overflow)]
@@ -169,6 +193,8 @@ pub fn warpgroup_forward<E: Float, O: Size>(
     v_map: &TensorMap<E, Tiled>,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
+    mask_words: ComptimeOption<&Tensor<u32>>,
+    hidden_blocks: ComptimeOption<&Tensor<u32>>,
     seq_k: u32,
     group: u32,
     scale: f32,
@@ -219,6 +245,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
         while tile < tiles {
             let (batch, head, q_start) = tile_rows(tile, heads, q_blocks, tiles, cfg);
             let end = key_blocks_end(q_start, seq_k, bound, cfg);
+            let (first, end) = visible_blocks(hidden_blocks, batch, head, q_start, end, cfg);
             let slot = walked % 2;
             if UNIT_POS == computing {
                 // Use `n` of a slot waits for its release `n - 1`.
@@ -254,6 +281,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
                 }
                 produce_blocks::<E>(
                     ring,
+                    first,
                     end,
                     &full,
                     &empty,
@@ -274,6 +302,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
                 }
                 attend_rows::<E, O>(
                     ring,
+                    first,
                     end,
                     comptime!((q_len * 2 / 16) as u64) * slot as u64,
                     &queries,
@@ -283,6 +312,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
                     &empty,
                     out,
                     lse,
+                    mask_words,
                     batch,
                     head,
                     q_start,
@@ -300,7 +330,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
                     second_queries_empty.arrive();
                 }
             }
-            ring += end;
+            ring += end - first;
             walked += 1;
             if comptime!(cfg.causal) {
                 tile = walked_tile(walked);
@@ -320,6 +350,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
         let (batch, head) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
         let q_start = x as usize * block_q;
         let end = key_blocks_end(q_start, seq_k, bound, cfg);
+        let (first, end) = visible_blocks(hidden_blocks, batch, head, q_start, end, cfg);
         if UNIT_POS == computing {
             load_queries::<E>(
                 &queries_full,
@@ -333,6 +364,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
             );
             produce_blocks::<E>(
                 0usize,
+                first,
                 end,
                 &full,
                 &empty,
@@ -347,8 +379,8 @@ pub fn warpgroup_forward<E: Float, O: Size>(
         } else if UNIT_POS < computing {
             queries_full.wait_parity(0);
             attend_rows::<E, O>(
-                0usize, end, 0u64, &queries, &keys, &values, &full, &empty, out, lse, batch, head,
-                q_start, seq_q, seq_k, scale, bound, neg_inf, cfg,
+                0usize, first, end, 0u64, &queries, &keys, &values, &full, &empty, out, lse,
+                mask_words, batch, head, q_start, seq_q, seq_k, scale, bound, neg_inf, cfg,
             );
         }
     }
@@ -437,13 +469,14 @@ fn load_queries<E: Float>(
     );
 }
 
-/// The producer's copies of a query block's `end` key blocks of (batch, kv_head) into the
-/// ring's two stages, each as soon as it is empty: the block's `ring + block`-th use of the
-/// ring waits for its stage's release by the use two before.
+/// The producer's copies of a query block's key blocks `[first, end)` of (batch, kv_head) into
+/// the ring's two stages, each as soon as it is empty: the `n`-th block's `ring + n`-th use of
+/// the ring waits for its stage's release by the use two before.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn produce_blocks<E: Float>(
     ring: usize,
+    first: usize,
     end: usize,
     full: &Ring,
     empty: &Ring,
@@ -455,8 +488,8 @@ fn produce_blocks<E: Float>(
     kv_head: usize,
     #[comptime] cfg: WarpgroupConfig,
 ) {
-    for block in 0..end {
-        let issued = ring + block;
+    for block in first..end {
+        let issued = ring + block - first;
         let stage = issued % 2;
         let release = (issued / 2 + 1) as u32 % 2;
         if stage == 0 {
@@ -478,13 +511,15 @@ fn produce_blocks<E: Float>(
 }
 
 /// A computing unit's part of a query block (its queries in `queries` from 16-byte unit
-/// `slot_units`, already full): the online softmax over its `end` key blocks, each the
-/// `ring + block`-th use of the ring (waited for full, released once its values product is
-/// done), then its rows of `out` and `lse` written.
+/// `slot_units`, already full): the online softmax over its key blocks `[first, end)`, the
+/// `n`-th the `ring + n`-th use of the ring (waited for full, released once its values product
+/// is done), the keys its packed mask hides (`mask_words`) at `-inf`, then its rows of `out`
+/// and `lse` written.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn attend_rows<E: Float, O: Size>(
     ring: usize,
+    first: usize,
     end: usize,
     slot_units: u64,
     queries: &Shared<[E]>,
@@ -494,6 +529,7 @@ fn attend_rows<E: Float, O: Size>(
     empty: &Ring,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
+    mask_words: ComptimeOption<&Tensor<u32>>,
     batch: usize,
     head: usize,
     q_start: usize,
@@ -530,8 +566,8 @@ fn attend_rows<E: Float, O: Size>(
         row_sum[h] = 0.0;
     }
 
-    for block in 0..end {
-        let issued = ring + block;
+    for block in first..end {
+        let issued = ring + block - first;
         let stage = issued % 2;
         let filled = (issued / 2) as u32 % 2;
         if stage == 0 {
@@ -555,11 +591,15 @@ fn attend_rows<E: Float, O: Size>(
         let crosses_end = key_start + block_kv > seq_k;
         let crosses_diagonal =
             comptime!(cfg.causal) && (key_start + block_kv - 1) as i32 > rows_start as i32 + bound;
-        let s = if crosses_end || crosses_diagonal {
+        let mut s = if crosses_end || crosses_diagonal {
             masked_scores(s, key_start, row, seq_k, bound, neg_inf, cfg)
         } else {
             s
         };
+        #[comptime]
+        if let ComptimeOption::Some(words) = mask_words {
+            s = hide_masked(s, words, batch, head, block, row, neg_inf);
+        }
         let p = online_softmax::<E, O>(&s, scale, &mut o, &mut row_max, &mut row_sum, neg_inf);
         o = product_pv::<O, Const<32>>(o, p, values_desc + stage_offset, block_kv, d, cfg.bf16);
         wait_products();
@@ -699,6 +739,85 @@ fn masked_scores(
         t.insert(nth, select(visible, s.extract(nth), neg_inf));
     }
     t
+}
+
+/// The scores `s` of key block `block` with the keys the packed mask `words` hides from the
+/// unit's rows (`row` and 8 below) at `-inf` ([`pack`](crate::kernel::pack): 4 words a row of
+/// 128 keys, bit `j % 32` of word `j / 32` for key `j`; `[b|1, h|1, blocks, rows · 4]`). A
+/// block whose words hide nothing from any row of the warp is left as it is.
+#[cube]
+fn hide_masked(
+    s: Scores,
+    words: &Tensor<u32>,
+    batch: usize,
+    head: usize,
+    block: usize,
+    row: usize,
+    neg_inf: f32,
+) -> Scores {
+    let batch = select(words.shape(0) == 1, 0usize, batch);
+    let head = select(words.shape(1) == 1, 0usize, head);
+    let at = batch * words.stride(0) + head * words.stride(1) + block * words.stride(2) + row * 4;
+    let upper = words
+        .slice(at, at + 4)
+        .as_vectorized()
+        .with_vector_size::<Const<4>>()[0];
+    let lower = words
+        .slice(at + 32, at + 36)
+        .as_vectorized()
+        .with_vector_size::<Const<4>>()[0];
+    let mut any = 0u32;
+    #[unroll]
+    for w in 0..4usize {
+        any |= upper.extract(w) | lower.extract(w);
+    }
+    let mut t = s;
+    if plane_any(any != 0) {
+        let unit = UNIT_POS as usize % 128;
+        #[unroll]
+        for nth in 0..64usize {
+            let (_, col) = position(unit, nth);
+            // Key `col` of the block is bit `col % 32` of word `col / 32 = nth / 16`.
+            let bits = if comptime!((nth % 4) / 2 == 0) {
+                upper.extract(comptime!(nth / 16))
+            } else {
+                lower.extract(comptime!(nth / 16))
+            };
+            let hidden = (bits >> (col % 32) as u32) & 1u32 == 1u32;
+            t.insert(nth, select(hidden, neg_inf, s.extract(nth)));
+        }
+    }
+    t
+}
+
+/// The key blocks `[first, end)` a query block walks: from the first its packed mask lets it
+/// see to `end` or one past the last it sees, whichever comes first (`hidden_blocks`,
+/// [`pack`](crate::kernel::pack): `[b|1, h|1, query blocks, blocks + 2]`, its last two the
+/// visible range); `[0, end)` without a mask.
+#[cube]
+fn visible_blocks(
+    hidden_blocks: ComptimeOption<&Tensor<u32>>,
+    batch: usize,
+    head: usize,
+    q_start: usize,
+    end: usize,
+    #[comptime] cfg: WarpgroupConfig,
+) -> (usize, usize) {
+    let mut first = 0usize;
+    let mut last = end;
+    #[comptime]
+    if let ComptimeOption::Some(hidden) = hidden_blocks {
+        let batch = select(hidden.shape(0) == 1, 0usize, batch);
+        let head = select(hidden.shape(1) == 1, 0usize, head);
+        let at = batch * hidden.stride(0)
+            + head * hidden.stride(1)
+            + q_start / comptime!(cfg.block_q()) * hidden.stride(2)
+            + hidden.shape(3)
+            - 2;
+        first = min(hidden[at] as usize, end);
+        last = max(first, min(end, hidden[at + 1] as usize));
+    }
+    (first, last)
 }
 
 /// The online softmax of one block's raw scores `s`, `scale` being the softmax scale times

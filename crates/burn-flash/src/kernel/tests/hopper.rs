@@ -8,9 +8,10 @@ use cubecl::prelude::*;
 
 use super::{Case, Inputs, Rng, assert_close};
 use crate::kernel::ScoreParams;
-use crate::kernel::config::WarpgroupConfig;
+use crate::kernel::config::{Switch, WarpgroupConfig};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::forward::warpgroup::launch_cubes;
+use crate::kernel::pack::pack_mask;
 use crate::kernel::tensors::{BF16, F32, KernelTensor, ScoreInputs, output};
 use crate::kernel::tile::wgmma::{
     descriptor, descriptor_across_rows, fragment_position, position, product, product_across_rows,
@@ -438,8 +439,19 @@ fn upload(client: &Client, values: &mut [f32], dims: [usize; 4], bf16: bool) -> 
 /// column, key block or mask is off by the size of the values. The log-sum-exp is f32
 /// arithmetic on exact products: within 1e-4.
 fn check(client: &Client, case: &Case, bf16: bool, resident: Option<usize>, seed: u64) {
+    check_inputs(client, case, Inputs::draw(case, seed), bf16, resident);
+}
+
+/// [`check`] on these inputs; with a mask (`case.mask`, `[b|1, h|1, sq, sk]`), packed for the
+/// kernel's blocks and passed to it.
+fn check_inputs(
+    client: &Client,
+    case: &Case,
+    mut inputs: Inputs,
+    bf16: bool,
+    resident: Option<usize>,
+) {
     crate::testing::poison_outputs(true);
-    let mut inputs = Inputs::draw(case, seed);
     let q = upload(client, &mut inputs.q, case.q_dims(), bf16);
     let k = upload(client, &mut inputs.k, case.k_dims(), bf16);
     let v = upload(client, &mut inputs.v, case.v_dims(), bf16);
@@ -455,9 +467,24 @@ fn check(client: &Client, case: &Case, bf16: bool, resident: Option<usize>, seed
     let lse = output(&q, [case.batch, case.heads, case.seq_q].into(), F32);
     let cfg = WarpgroupConfig {
         persistent: resident.is_some(),
+        mask: Switch(case.mask.is_some()),
         ..WarpgroupConfig::new(case.head_dim, params.mask.right, bf16)
     };
-    launch_cubes(&q, &k, &v, &out, &lse, &params, cfg, resident);
+    let mask = inputs.mask.as_ref().map(|values| {
+        let mask = KernelTensor::from_values(client, values, case.mask.unwrap());
+        pack_mask(&mask, cfg.block_q(), WarpgroupConfig::BLOCK_KV)
+    });
+    launch_cubes(
+        &q,
+        &k,
+        &v,
+        &out,
+        &lse,
+        mask.as_ref(),
+        &params,
+        cfg,
+        resident,
+    );
     let got: Vec<f32> = if bf16 {
         out.read::<half::bf16>()
             .iter()
@@ -466,7 +493,10 @@ fn check(client: &Client, case: &Case, bf16: bool, resident: Option<usize>, seed
     } else {
         out.read::<half::f16>().iter().map(|x| x.to_f32()).collect()
     };
-    let label = format!("{case:?} bf16={bf16} resident={resident:?}");
+    let label = format!(
+        "{case:?} bf16={bf16} resident={resident:?} mask={:?}",
+        case.mask
+    );
     assert_close(&format!("{label}: out"), &got, &expected_out, 1.0 / 128.0);
     assert_close(
         &format!("{label}: lse"),
@@ -525,6 +555,65 @@ fn persistent_warpgroup_forward_matches_the_reference_cuda() {
     ];
     for (n, (case, bf16, resident)) in cases.iter().enumerate() {
         check(&client, case, *bf16, Some(*resident), 5100 + n as u64);
+    }
+}
+
+/// A boolean mask on the Hopper forward (packed into bits; not yet taken by the plan): random
+/// masks (about a third of the pairs hidden, some broadcast over batches or heads), causal
+/// with rows that see no key, and document masks, whose query blocks walk only the key blocks
+/// from the first they see, on one cube a block and on persistent cubes.
+#[test]
+fn masked_warpgroup_forward_matches_the_reference_cuda() {
+    let Some(client) = hopper_or_skip("masked_warpgroup_forward_matches_the_reference_cuda") else {
+        return;
+    };
+    let random = [
+        (Case::new(2, 3, 300, 420, 64).mask([2, 3, 300, 420]), None),
+        (
+            Case::new(2, 4, 260, 520, 128)
+                .kv_heads(2)
+                .mask([1, 1, 260, 520]),
+            Some(5),
+        ),
+        (
+            Case::new(1, 2, 333, 130, 128)
+                .causal()
+                .mask([1, 2, 333, 130]),
+            None,
+        ),
+        (
+            Case::new(2, 2, 400, 400, 64)
+                .causal()
+                .mask([2, 1, 400, 400]),
+            Some(3),
+        ),
+    ];
+    for (n, (case, resident)) in random.iter().enumerate() {
+        let inputs = Inputs::draw(case, 5200 + n as u64);
+        check_inputs(&client, case, inputs, true, *resident);
+    }
+    // Documents of 300 rows: a query block past the first document sees none of its keys.
+    let documents = [
+        (Case::new(2, 2, 700, 700, 128).mask([2, 1, 700, 700]), None),
+        (
+            Case::new(1, 3, 900, 900, 64)
+                .causal()
+                .mask([1, 1, 900, 900]),
+            Some(4),
+        ),
+    ];
+    for (n, (case, resident)) in documents.iter().enumerate() {
+        let mut inputs = Inputs::draw(case, 5300 + n as u64);
+        let [mb, mh, sq, sk] = case.mask.unwrap();
+        inputs.mask = Some(
+            (0..mb * mh * sq * sk)
+                .map(|at| {
+                    let (i, j) = (at / sk % sq, at % sk);
+                    u32::from(i / 300 != j / 300)
+                })
+                .collect(),
+        );
+        check_inputs(&client, case, inputs, n == 0, *resident);
     }
 }
 
