@@ -229,7 +229,13 @@ fn launch(
         && tma_aligned(&q)
         && address_type(&[&q, &out, &lse]) == AddressType::U32
     {
-        super::warpgroup::launch(&q, &k, &v, &out, &lse, &params, warpgroup);
+        use crate::kernel::config::WarpgroupConfig;
+        let packed = inputs
+            .mask
+            .as_ref()
+            .filter(|_| warpgroup.mask.0)
+            .map(|mask| pack_mask(mask, warpgroup.block_q(), WarpgroupConfig::BLOCK_KV));
+        super::warpgroup::launch(&q, &k, &v, &out, &lse, packed.as_ref(), &params, warpgroup);
         return (out, lse);
     }
     // Split keys: each split's output and log-sum-exp as heads `split · heads + head` of partial

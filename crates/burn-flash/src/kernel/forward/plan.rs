@@ -9,7 +9,9 @@ use std::sync::OnceLock;
 
 use cubecl::ir::ElemType;
 
-use crate::kernel::config::{BiasAdd, ScoreParams, Staged, TileConfig, TilePath, WarpgroupConfig};
+use crate::kernel::config::{
+    BiasAdd, MaskConfig, ScoreParams, Staged, Switch, TileConfig, TilePath, WarpgroupConfig,
+};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::grid::batch_inner;
 use crate::kernel::tensors::{BF16, F32, InputFacts, ScoreFacts, U32, layout_tma_aligned};
@@ -175,11 +177,16 @@ impl fmt::Display for ForwardPlan {
             return write!(
                 f,
                 "warpgroup tile (wgmma): {} queries × {}-key stages, {} warpgroups and a \
-                 producer warp, Q, K and V by tensor maps{}{}",
+                 producer warp, Q, K and V by tensor maps{}{}{}",
                 warpgroup.block_q(),
                 WarpgroupConfig::BLOCK_KV,
                 warpgroup.warpgroups,
                 if warpgroup.causal { ", causal" } else { "" },
+                if warpgroup.mask.0 {
+                    ", mask packed into bits"
+                } else {
+                    ""
+                },
                 if warpgroup.persistent {
                     ", persistent cubes"
                 } else {
@@ -230,6 +237,13 @@ impl fmt::Display for ForwardPlan {
 fn warpgroup_override() -> Option<bool> {
     static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
     *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP"))
+}
+
+/// `BURN_FLASH_WARPGROUP_MASK=1`: boolean masks with a row per query take the Hopper forward
+/// where it runs (`WarpgroupConfig::mask`), for tuning runs; by default they take the tile.
+fn warpgroup_mask_override() -> Option<bool> {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP_MASK"))
 }
 
 /// `BURN_FLASH_WARPGROUP_PERSISTENT=0|1`: the Hopper forward's cubes one a query block or
@@ -293,15 +307,29 @@ fn warpgroup_blocks(
         warpgroups: warpgroups.unwrap_or(blocks.warpgroups),
         ..blocks
     };
+    // A boolean mask with a row per query, packed into bits for the warpgroup's blocks, only
+    // where `BURN_FLASH_WARPGROUP_MASK=1` asks: its test has not run on a GPU yet.
+    let masked = problem.inputs.mask.is_some_and(|facts| {
+        warpgroup_mask_override() == Some(true) && facts.dims[2] == problem.seq_q
+    });
     let blocks = WarpgroupConfig {
         persistent: persistent_override().unwrap_or_else(|| persistent_pays(&blocks, problem)),
+        mask: Switch(masked),
         ..blocks
+    };
+    let unmasked = ScoreParams {
+        mask: MaskConfig {
+            tensor: false,
+            ..params.mask
+        },
+        ..*params
     };
     let runs = caps.wgmma
         && cfg.tile == TilePath::TensorCore
         && matches!(problem.head_dim, 64 | 128)
         && problem.value_dim == problem.head_dim
-        && params.plain_or_causal()
+        && (masked || problem.inputs.mask.is_none())
+        && unmasked.plain_or_causal()
         && !problem.key_lengths
         && problem.page_size.is_none()
         && !problem.varlen
@@ -647,6 +675,19 @@ mod tests {
         );
         let d96 = problem(96, FlashAttentionOptions::new(), ScoreFacts::default());
         assert_eq!(blocks(&caps::h100(), &d96), None);
+        // A mask takes the tile unless `BURN_FLASH_WARPGROUP_MASK=1` (unset in tests).
+        let masked = problem(
+            128,
+            FlashAttentionOptions::new(),
+            ScoreFacts {
+                mask: Some(InputFacts {
+                    elem_size: 1,
+                    dims: [4, 1, 4096, 4096],
+                }),
+                bias: None,
+            },
+        );
+        assert_eq!(blocks(&caps::h100(), &masked), None, "a mask");
         let window = problem(
             64,
             causal.with_window(AttentionWindow::new(Some(256), Some(0))),

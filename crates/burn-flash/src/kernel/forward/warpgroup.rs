@@ -14,8 +14,8 @@
 //! while the current block's last products run and its rows are written: an SM holds one cube,
 //! whose start and end would otherwise idle it. Plain and causal attention (any diagonal
 //! offset), head dims 64 and 128, 16-bit inputs; every other feature takes the tensor-core
-//! tile. A boolean mask packed into bits (`cfg.mask`) is built into the kernel but not yet
-//! planned: its test has not run on a GPU.
+//! tile. A boolean mask packed into bits (`cfg.mask`) is built into the kernel, planned only
+//! under `BURN_FLASH_WARPGROUP_MASK=1`: its test has not run on a GPU yet.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -48,15 +48,18 @@ type Probabilities = Vector<u32, Const<32>>;
 type Ring = (Shared<Barrier>, Shared<Barrier>);
 
 /// Enqueue the forward of contiguous `q: [b, h, sq, d]` and `k`, `v: [b, hkv, sk, d]` (rows
-/// readable by tensor maps) into `out: [b, h, sq, d]` and `lse: [b, h, sq]`, as `cfg` plans it
+/// readable by tensor maps), hiding what `mask` hides, into `out: [b, h, sq, d]` and
+/// `lse: [b, h, sq]`, as `cfg` plans it
 /// ([`ForwardPlan::warpgroup`](super::plan::ForwardPlan::warpgroup)): persistent cubes one an
 /// SM.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn launch(
     q: &KernelTensor,
     k: &KernelTensor,
     v: &KernelTensor,
     out: &KernelTensor,
     lse: &KernelTensor,
+    mask: Option<&PackedMask>,
     params: &ScoreParams,
     cfg: WarpgroupConfig,
 ) {
@@ -67,7 +70,7 @@ pub(crate) fn launch(
         v,
         out,
         lse,
-        None,
+        mask,
         params,
         cfg,
         sms.map(|n| n as usize),
@@ -76,8 +79,8 @@ pub(crate) fn launch(
 
 /// [`launch`] with `resident` persistent cubes (all the query blocks' where `None`); a
 /// one-block-a-cube `cfg` ignores it. With `cfg.mask`, `mask` is the boolean mask packed for
-/// the blocks of `cfg` (`pack_mask(mask, cfg.block_q(), BLOCK_KV)`); the plan does not take
-/// this path yet (it has run in no test on a GPU).
+/// the blocks of `cfg` (`pack_mask(mask, cfg.block_q(), BLOCK_KV)`); the plan takes that path
+/// only under `BURN_FLASH_WARPGROUP_MASK=1` (it has run in no test on a GPU yet).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_cubes(
     q: &KernelTensor,
