@@ -252,6 +252,9 @@ pub struct WarpgroupConfig {
     /// and [`BLOCK_KV`](Self::BLOCK_KV) keys ([`pack`](super::pack)), hides keys: each query
     /// block walks only the key blocks from the first its mask lets it see to the last.
     pub mask: Switch,
+    /// An additive bias input (`[b|1, h|1, sq|1, sk]`, the inputs' dtype) is added to the
+    /// scores, read where each score register sits.
+    pub bias: Switch,
 }
 
 impl WarpgroupConfig {
@@ -269,6 +272,7 @@ impl WarpgroupConfig {
             bf16,
             persistent: false,
             mask: Switch(false),
+            bias: Switch(false),
         }
     }
 

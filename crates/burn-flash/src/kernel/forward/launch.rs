@@ -235,7 +235,18 @@ fn launch(
             .as_ref()
             .filter(|_| warpgroup.mask.0)
             .map(|mask| pack_mask(mask, warpgroup.block_q(), WarpgroupConfig::BLOCK_KV));
-        super::warpgroup::launch(&q, &k, &v, &out, &lse, packed.as_ref(), &params, warpgroup);
+        let bias = inputs.bias.as_ref().filter(|_| warpgroup.bias.0);
+        super::warpgroup::launch(
+            &q,
+            &k,
+            &v,
+            &out,
+            &lse,
+            packed.as_ref(),
+            bias,
+            &params,
+            warpgroup,
+        );
         return (out, lse);
     }
     // Split keys: each split's output and log-sum-exp as heads `split · heads + head` of partial

@@ -182,10 +182,11 @@ impl fmt::Display for ForwardPlan {
                 WarpgroupConfig::BLOCK_KV,
                 warpgroup.warpgroups,
                 if warpgroup.causal { ", causal" } else { "" },
-                if warpgroup.mask.0 {
-                    ", mask packed into bits"
-                } else {
-                    ""
+                match (warpgroup.mask.0, warpgroup.bias.0) {
+                    (true, true) => ", mask packed into bits, bias",
+                    (true, false) => ", mask packed into bits",
+                    (false, true) => ", bias",
+                    (false, false) => "",
                 },
                 if warpgroup.persistent {
                     ", persistent cubes"
@@ -239,11 +240,12 @@ fn warpgroup_override() -> Option<bool> {
     *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP"))
 }
 
-/// `BURN_FLASH_WARPGROUP_MASK=1`: boolean masks with a row per query take the Hopper forward
-/// where it runs (`WarpgroupConfig::mask`), for tuning runs; by default they take the tile.
-fn warpgroup_mask_override() -> Option<bool> {
+/// `BURN_FLASH_WARPGROUP_INPUTS=1`: boolean masks with a row per query and additive biases
+/// take the Hopper forward where it runs (`WarpgroupConfig::mask`, `WarpgroupConfig::bias`),
+/// for tuning runs; by default they take the tile.
+fn warpgroup_inputs_override() -> Option<bool> {
     static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
-    *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP_MASK"))
+    *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP_INPUTS"))
 }
 
 /// `BURN_FLASH_WARPGROUP_PERSISTENT=0|1`: the Hopper forward's cubes one a query block or
@@ -307,21 +309,28 @@ fn warpgroup_blocks(
         warpgroups: warpgroups.unwrap_or(blocks.warpgroups),
         ..blocks
     };
-    // A boolean mask with a row per query, packed into bits for the warpgroup's blocks, only
-    // where `BURN_FLASH_WARPGROUP_MASK=1` asks: its test has not run on a GPU yet.
-    let masked = problem.inputs.mask.is_some_and(|facts| {
-        warpgroup_mask_override() == Some(true) && facts.dims[2] == problem.seq_q
-    });
+    // A boolean mask with a row per query (packed into bits for the warpgroup's blocks) and an
+    // additive bias, only where `BURN_FLASH_WARPGROUP_INPUTS=1` asks: their test has not run on
+    // a GPU yet.
+    let inputs = warpgroup_inputs_override() == Some(true);
+    let masked = inputs
+        && problem
+            .inputs
+            .mask
+            .is_some_and(|facts| facts.dims[2] == problem.seq_q);
+    let biased = inputs && problem.inputs.bias.is_some();
     let blocks = WarpgroupConfig {
         persistent: persistent_override().unwrap_or_else(|| persistent_pays(&blocks, problem)),
         mask: Switch(masked),
+        bias: Switch(biased),
         ..blocks
     };
-    let unmasked = ScoreParams {
+    let without_inputs = ScoreParams {
         mask: MaskConfig {
             tensor: false,
             ..params.mask
         },
+        bias: false,
         ..*params
     };
     let runs = caps.wgmma
@@ -329,7 +338,8 @@ fn warpgroup_blocks(
         && matches!(problem.head_dim, 64 | 128)
         && problem.value_dim == problem.head_dim
         && (masked || problem.inputs.mask.is_none())
-        && unmasked.plain_or_causal()
+        && (biased || problem.inputs.bias.is_none())
+        && without_inputs.plain_or_causal()
         && !problem.key_lengths
         && problem.page_size.is_none()
         && !problem.varlen
@@ -675,7 +685,7 @@ mod tests {
         );
         let d96 = problem(96, FlashAttentionOptions::new(), ScoreFacts::default());
         assert_eq!(blocks(&caps::h100(), &d96), None);
-        // A mask takes the tile unless `BURN_FLASH_WARPGROUP_MASK=1` (unset in tests).
+        // A mask takes the tile unless `BURN_FLASH_WARPGROUP_INPUTS=1` (unset in tests).
         let masked = problem(
             128,
             FlashAttentionOptions::new(),

@@ -14,8 +14,9 @@
 //! while the current block's last products run and its rows are written: an SM holds one cube,
 //! whose start and end would otherwise idle it. Plain and causal attention (any diagonal
 //! offset), head dims 64 and 128, 16-bit inputs; every other feature takes the tensor-core
-//! tile. A boolean mask packed into bits (`cfg.mask`) is built into the kernel, planned only
-//! under `BURN_FLASH_WARPGROUP_MASK=1`: its test has not run on a GPU yet.
+//! tile. A boolean mask packed into bits (`cfg.mask`) and an additive bias (`cfg.bias`) are
+//! built into the kernel, planned only under `BURN_FLASH_WARPGROUP_INPUTS=1`: their test has
+//! not run on a GPU yet.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -48,8 +49,8 @@ type Probabilities = Vector<u32, Const<32>>;
 type Ring = (Shared<Barrier>, Shared<Barrier>);
 
 /// Enqueue the forward of contiguous `q: [b, h, sq, d]` and `k`, `v: [b, hkv, sk, d]` (rows
-/// readable by tensor maps), hiding what `mask` hides, into `out: [b, h, sq, d]` and
-/// `lse: [b, h, sq]`, as `cfg` plans it
+/// readable by tensor maps), hiding what `mask` hides and adding `bias`, into
+/// `out: [b, h, sq, d]` and `lse: [b, h, sq]`, as `cfg` plans it
 /// ([`ForwardPlan::warpgroup`](super::plan::ForwardPlan::warpgroup)): persistent cubes one an
 /// SM.
 #[allow(clippy::too_many_arguments)]
@@ -60,6 +61,7 @@ pub(crate) fn launch(
     out: &KernelTensor,
     lse: &KernelTensor,
     mask: Option<&PackedMask>,
+    bias: Option<&KernelTensor>,
     params: &ScoreParams,
     cfg: WarpgroupConfig,
 ) {
@@ -71,6 +73,7 @@ pub(crate) fn launch(
         out,
         lse,
         mask,
+        bias,
         params,
         cfg,
         sms.map(|n| n as usize),
@@ -79,8 +82,9 @@ pub(crate) fn launch(
 
 /// [`launch`] with `resident` persistent cubes (all the query blocks' where `None`); a
 /// one-block-a-cube `cfg` ignores it. With `cfg.mask`, `mask` is the boolean mask packed for
-/// the blocks of `cfg` (`pack_mask(mask, cfg.block_q(), BLOCK_KV)`); the plan takes that path
-/// only under `BURN_FLASH_WARPGROUP_MASK=1` (it has run in no test on a GPU yet).
+/// the blocks of `cfg` (`pack_mask(mask, cfg.block_q(), BLOCK_KV)`); with `cfg.bias`, `bias`
+/// is added to the scores. The plan takes either only under `BURN_FLASH_WARPGROUP_INPUTS=1`
+/// (neither has run in a test on a GPU yet).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_cubes(
     q: &KernelTensor,
@@ -89,6 +93,7 @@ pub(crate) fn launch_cubes(
     out: &KernelTensor,
     lse: &KernelTensor,
     mask: Option<&PackedMask>,
+    bias: Option<&KernelTensor>,
     params: &ScoreParams,
     cfg: WarpgroupConfig,
     resident: Option<usize>,
@@ -110,6 +115,7 @@ pub(crate) fn launch_cubes(
         mask.is_some(),
         "a packed mask exactly where planned"
     );
+    assert_eq!(cfg.bias.0, bias.is_some(), "a bias exactly where planned");
     // SAFETY: the tensor maps bound every read (rows past a sequence arrive as zeros); the
     // kernel writes only rows below `seq_q` of `out` and `lse`, whose shapes the caller
     // allocated from `q`'s, and the caller checked their indices fit 32 bits.
@@ -128,6 +134,7 @@ pub(crate) fn launch_cubes(
             mask.map(|m| m.words.clone().into_tensor_arg()).into(),
             mask.map(|m| m.hidden_blocks.clone().into_tensor_arg())
                 .into(),
+            bias.map(|b| b.clone().into_tensor_arg()).into(),
             seq_k as u32,
             (heads / kv_heads) as u32,
             params.scale * core::f32::consts::LOG2_E,
@@ -184,7 +191,9 @@ pub(crate) fn cube_count(
 /// (natural log, `-inf` where a row sees no key). Key `j` is visible to query `i` where
 /// `j < seq_k`, with `cfg.causal` `j <= i + bound`, and with `cfg.mask` where the packed mask
 /// (`mask_words` and `hidden_blocks`, [`pack`](crate::kernel::pack), for this config's blocks)
-/// does not hide it. `O` is the value accumulators' vector (`d / 2`).
+/// does not hide it; with `cfg.bias`, `bias` over the softmax scale is added to each raw score
+/// (`scale` is the softmax scale times log2 e). `O`
+/// is the value accumulators' vector (`d / 2`).
 // The cube's built-ins are placeholder constants on the host side, where rustc would evaluate
 // the grid's reversal; in the kernel `CUBE_POS_X < CUBE_COUNT_X`.
 #[allow(arithmetic_overflow)]
@@ -198,6 +207,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
     lse: &mut Tensor<f32>,
     mask_words: ComptimeOption<&Tensor<u32>>,
     hidden_blocks: ComptimeOption<&Tensor<u32>>,
+    bias: ComptimeOption<&Tensor<E>>,
     seq_k: u32,
     group: u32,
     scale: f32,
@@ -316,6 +326,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
                     out,
                     lse,
                     mask_words,
+                    bias,
                     batch,
                     head,
                     q_start,
@@ -383,7 +394,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
             queries_full.wait_parity(0);
             attend_rows::<E, O>(
                 0usize, first, end, 0u64, &queries, &keys, &values, &full, &empty, out, lse,
-                mask_words, batch, head, q_start, seq_q, seq_k, scale, bound, neg_inf, cfg,
+                mask_words, bias, batch, head, q_start, seq_q, seq_k, scale, bound, neg_inf, cfg,
             );
         }
     }
@@ -533,6 +544,7 @@ fn attend_rows<E: Float, O: Size>(
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
     mask_words: ComptimeOption<&Tensor<u32>>,
+    bias: ComptimeOption<&Tensor<E>>,
     batch: usize,
     head: usize,
     q_start: usize,
@@ -602,6 +614,10 @@ fn attend_rows<E: Float, O: Size>(
         #[comptime]
         if let ComptimeOption::Some(words) = mask_words {
             s = hide_masked(s, words, batch, head, block, row, neg_inf);
+        }
+        #[comptime]
+        if let ComptimeOption::Some(bias) = bias {
+            s = add_bias::<E>(s, bias, batch, head, key_start, row, seq_q, seq_k, scale);
         }
         let p = online_softmax::<E, O>(&s, scale, &mut o, &mut row_max, &mut row_sum, neg_inf);
         o = product_pv::<O, Const<32>>(o, p, values_desc + stage_offset, block_kv, d, cfg.bf16);
@@ -740,6 +756,51 @@ fn masked_scores(
             visible = visible && key as i32 <= query as i32 + bound;
         }
         t.insert(nth, select(visible, s.extract(nth), neg_inf));
+    }
+    t
+}
+
+/// The scores `s` of the key block from `key_start` plus `bias` (`[b|1, h|1, sq|1, sk]`) over
+/// the softmax scale (`scale` is it times log2 e; the scale multiplies the sum, and a launch
+/// argument fewer keeps the kernels without a bias as they were): for the unit's rows (`row`
+/// and 8 below), read where each score sits, rows and keys past the sequences' ends clamped
+/// into them (their scores are hidden or never written).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_bias<E: Float>(
+    s: Scores,
+    bias: &Tensor<E>,
+    batch: usize,
+    head: usize,
+    key_start: usize,
+    row: usize,
+    seq_q: usize,
+    seq_k: usize,
+    scale: f32,
+) -> Scores {
+    // Not a division: its slow path is a call, which would serialise the kernel's products.
+    let inv_scale = comptime!(core::f32::consts::LOG2_E) * reciprocal(scale);
+    let batch = select(bias.shape(0) == 1, 0usize, batch);
+    let head = select(bias.shape(1) == 1, 0usize, head);
+    let base = batch * bias.stride(0) + head * bias.stride(1);
+    let per_query = select(bias.shape(2) == 1, 0usize, bias.stride(2));
+    let upper = base + min(row, seq_q - 1) * per_query;
+    let lower = base + min(row + 8, seq_q - 1) * per_query;
+    let unit = UNIT_POS as usize % 128;
+    let mut t = s;
+    #[unroll]
+    for nth in 0..64usize {
+        let (_, col) = position(unit, nth);
+        let key = min(key_start + col, seq_k - 1) * bias.stride(3);
+        let at = if comptime!((nth % 4) / 2 == 0) {
+            upper
+        } else {
+            lower
+        };
+        t.insert(
+            nth,
+            s.extract(nth) + f32::cast_from(bias[at + key]) * inv_scale,
+        );
     }
     t
 }

@@ -443,7 +443,8 @@ fn check(client: &Client, case: &Case, bf16: bool, resident: Option<usize>, seed
 }
 
 /// [`check`] on these inputs; with a mask (`case.mask`, `[b|1, h|1, sq, sk]`), packed for the
-/// kernel's blocks and passed to it.
+/// kernel's blocks and passed to it, and with a bias (`case.bias`, `[b|1, h|1, sq|1, sk]`),
+/// rounded to the inputs' dtype.
 fn check_inputs(
     client: &Client,
     case: &Case,
@@ -455,7 +456,6 @@ fn check_inputs(
     let q = upload(client, &mut inputs.q, case.q_dims(), bf16);
     let k = upload(client, &mut inputs.k, case.k_dims(), bf16);
     let v = upload(client, &mut inputs.v, case.v_dims(), bf16);
-    let (expected_out, expected_lse) = inputs.forward(case);
     let params = ScoreParams::new(
         &case.options,
         case.heads,
@@ -468,12 +468,19 @@ fn check_inputs(
     let cfg = WarpgroupConfig {
         persistent: resident.is_some(),
         mask: Switch(case.mask.is_some()),
+        bias: Switch(case.bias.is_some()),
         ..WarpgroupConfig::new(case.head_dim, params.mask.right, bf16)
     };
     let mask = inputs.mask.as_ref().map(|values| {
         let mask = KernelTensor::from_values(client, values, case.mask.unwrap());
         pack_mask(&mask, cfg.block_q(), WarpgroupConfig::BLOCK_KV)
     });
+    // The bias rounded to the inputs' dtype, as the reference then reads it.
+    let bias = inputs
+        .bias
+        .as_mut()
+        .map(|values| upload(client, values, case.bias.unwrap(), bf16));
+    let (expected_out, expected_lse) = inputs.forward(case);
     launch_cubes(
         &q,
         &k,
@@ -481,6 +488,7 @@ fn check_inputs(
         &out,
         &lse,
         mask.as_ref(),
+        bias.as_ref(),
         &params,
         cfg,
         resident,
@@ -494,8 +502,8 @@ fn check_inputs(
         out.read::<half::f16>().iter().map(|x| x.to_f32()).collect()
     };
     let label = format!(
-        "{case:?} bf16={bf16} resident={resident:?} mask={:?}",
-        case.mask
+        "{case:?} bf16={bf16} resident={resident:?} mask={:?} bias={:?}",
+        case.mask, case.bias
     );
     assert_close(&format!("{label}: out"), &got, &expected_out, 1.0 / 128.0);
     assert_close(
@@ -558,10 +566,11 @@ fn persistent_warpgroup_forward_matches_the_reference_cuda() {
     }
 }
 
-/// A boolean mask on the Hopper forward (packed into bits; not yet taken by the plan): random
-/// masks (about a third of the pairs hidden, some broadcast over batches or heads), causal
-/// with rows that see no key, and document masks, whose query blocks walk only the key blocks
-/// from the first they see, on one cube a block and on persistent cubes.
+/// A boolean mask on the Hopper forward (packed into bits; planned only under
+/// `BURN_FLASH_WARPGROUP_INPUTS=1`): random masks (about a third of the pairs hidden, some
+/// broadcast over batches or heads), causal with rows that see no key, and document masks,
+/// whose query blocks walk only the key blocks from the first they see, on one cube a block
+/// and on persistent cubes.
 #[test]
 fn masked_warpgroup_forward_matches_the_reference_cuda() {
     let Some(client) = hopper_or_skip("masked_warpgroup_forward_matches_the_reference_cuda") else {
@@ -614,6 +623,54 @@ fn masked_warpgroup_forward_matches_the_reference_cuda() {
                 .collect(),
         );
         check_inputs(&client, case, inputs, n == 0, *resident);
+    }
+}
+
+/// An additive bias on the Hopper forward (planned only under `BURN_FLASH_WARPGROUP_INPUTS=1`):
+/// per pair, broadcast over batches, per key (one row for every query), under a causal mask
+/// with rows that see no key, and beside a mask, on one cube a block and on persistent cubes.
+#[test]
+fn biased_warpgroup_forward_matches_the_reference_cuda() {
+    let Some(client) = hopper_or_skip("biased_warpgroup_forward_matches_the_reference_cuda") else {
+        return;
+    };
+    let cases = [
+        (
+            Case::new(2, 3, 300, 420, 64).bias([2, 3, 300, 420]),
+            true,
+            None,
+        ),
+        (
+            Case::new(2, 4, 260, 520, 128)
+                .kv_heads(2)
+                .bias([1, 4, 260, 520]),
+            true,
+            Some(5),
+        ),
+        (
+            Case::new(2, 2, 200, 333, 128).bias([2, 1, 1, 333]),
+            false,
+            None,
+        ),
+        (
+            Case::new(1, 2, 333, 130, 128)
+                .causal()
+                .bias([1, 2, 333, 130]),
+            true,
+            Some(3),
+        ),
+        (
+            Case::new(2, 2, 400, 400, 64)
+                .causal()
+                .mask([2, 1, 400, 400])
+                .bias([2, 2, 400, 400]),
+            true,
+            None,
+        ),
+    ];
+    for (n, (case, bf16, resident)) in cases.iter().enumerate() {
+        let inputs = Inputs::draw(case, 5400 + n as u64);
+        check_inputs(&client, case, inputs, *bf16, *resident);
     }
 }
 
