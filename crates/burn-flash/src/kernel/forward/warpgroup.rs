@@ -24,6 +24,7 @@ use cubecl::prelude::*;
 use cubecl::zspace::Shape;
 
 use crate::kernel::config::{ScoreParams, TilePath, WarpgroupConfig};
+use crate::kernel::inputs::{broadcast, hidden_row, visible_range};
 use crate::kernel::pack::PackedMask;
 use crate::kernel::softmax::{exp2, reciprocal};
 use crate::kernel::tensors::KernelTensor;
@@ -192,8 +193,8 @@ pub(crate) fn cube_count(
 /// `j < seq_k`, with `cfg.causal` `j <= i + bound`, and with `cfg.mask` where the packed mask
 /// (`mask_words` and `hidden_blocks`, [`pack`](crate::kernel::pack), for this config's blocks)
 /// does not hide it; with `cfg.bias`, `bias` over the softmax scale is added to each raw score
-/// (`scale` is the softmax scale times log2 e). `O`
-/// is the value accumulators' vector (`d / 2`).
+/// (`scale` is the softmax scale times log2 e). `O` is the value accumulators' vector
+/// (`d / 2`).
 // The cube's built-ins are placeholder constants on the host side, where rustc would evaluate
 // the grid's reversal; in the kernel `CUBE_POS_X < CUBE_COUNT_X`.
 #[allow(arithmetic_overflow)]
@@ -780,18 +781,15 @@ fn add_bias<E: Float>(
 ) -> Scores {
     // Not a division: its slow path is a call, which would serialise the kernel's products.
     let inv_scale = comptime!(core::f32::consts::LOG2_E) * reciprocal(scale);
-    let batch = select(bias.shape(0) == 1, 0usize, batch);
-    let head = select(bias.shape(1) == 1, 0usize, head);
-    let base = batch * bias.stride(0) + head * bias.stride(1);
-    let per_query = select(bias.shape(2) == 1, 0usize, bias.stride(2));
-    let upper = base + min(row, seq_q - 1) * per_query;
-    let lower = base + min(row + 8, seq_q - 1) * per_query;
+    let at = broadcast::<E>(bias, batch, head);
+    let upper = at.base + min(row, seq_q - 1) * at.row_stride;
+    let lower = at.base + min(row + 8, seq_q - 1) * at.row_stride;
     let unit = UNIT_POS as usize % 128;
     let mut t = s;
     #[unroll]
     for nth in 0..64usize {
         let (_, col) = position(unit, nth);
-        let key = min(key_start + col, seq_k - 1) * bias.stride(3);
+        let key = min(key_start + col, seq_k - 1);
         let at = if comptime!((nth % 4) / 2 == 0) {
             upper
         } else {
@@ -819,9 +817,7 @@ fn hide_masked(
     row: usize,
     neg_inf: f32,
 ) -> Scores {
-    let batch = select(words.shape(0) == 1, 0usize, batch);
-    let head = select(words.shape(1) == 1, 0usize, head);
-    let at = batch * words.stride(0) + head * words.stride(1) + block * words.stride(2) + row * 4;
+    let at = broadcast::<u32>(words, batch, head).base + block * words.stride(2) + row * 4;
     let upper = words
         .slice(at, at + 4)
         .as_vectorized()
@@ -854,10 +850,8 @@ fn hide_masked(
     t
 }
 
-/// The key blocks `[first, end)` a query block walks: from the first its packed mask lets it
-/// see to `end` or one past the last it sees, whichever comes first (`hidden_blocks`,
-/// [`pack`](crate::kernel::pack): `[b|1, h|1, query blocks, blocks + 2]`, its last two the
-/// visible range); `[0, end)` without a mask.
+/// The key blocks `[first, end)` a query block walks: `[0, end)` narrowed by its packed mask's
+/// visible range ([`visible_range`]); `[0, end)` without a mask.
 #[cube]
 fn visible_blocks(
     hidden_blocks: ComptimeOption<&Tensor<u32>>,
@@ -867,21 +861,15 @@ fn visible_blocks(
     end: usize,
     #[comptime] cfg: WarpgroupConfig,
 ) -> (usize, usize) {
-    let mut first = 0usize;
-    let mut last = end;
-    #[comptime]
-    if let ComptimeOption::Some(hidden) = hidden_blocks {
-        let batch = select(hidden.shape(0) == 1, 0usize, batch);
-        let head = select(hidden.shape(1) == 1, 0usize, head);
-        let at = batch * hidden.stride(0)
-            + head * hidden.stride(1)
-            + q_start / comptime!(cfg.block_q()) * hidden.stride(2)
-            + hidden.shape(3)
-            - 2;
-        first = min(hidden[at] as usize, end);
-        last = max(first, min(end, hidden[at + 1] as usize));
-    }
-    (first, last)
+    let row = hidden_row(
+        hidden_blocks,
+        batch,
+        head,
+        q_start / comptime!(cfg.block_q()),
+    );
+    let (first, end) = visible_range(hidden_blocks, row, 0usize, end);
+    // A query block that sees no key has an empty range, `first` past `end`.
+    (min(first, end), end)
 }
 
 /// The online softmax of one block's raw scores `s`, `scale` being the softmax scale times
