@@ -1146,6 +1146,53 @@ mod cuda {
         );
     }
 
+    /// Masks and biases on the Hopper forward through the API (forced: by default they take the
+    /// tile), over a thousand keys and more so that the plan takes it, with their gradients by
+    /// the backward kernels from its output and log-sum-exp: a random mask and a bias per head
+    /// at head dim 128, documents under a causal mask at 64, and a bias for every batch with a
+    /// causal mask at 128 (its cubes batch-inner). On a GPU without warpgroup products the
+    /// tile runs them.
+    #[test]
+    fn warpgroup_inputs_cuda() {
+        let Some(device) = cuda_device("warpgroup_inputs_cuda") else {
+            return;
+        };
+        let _hopper = burn_flash::testing::force_warpgroup_inputs();
+        let before = burn_flash::testing::warpgroup_forward_launches();
+        check_all(
+            "warpgroup_inputs_cuda",
+            &[
+                Case::new(
+                    Problem::square(1, 2, 1104, 128),
+                    Spec::from(false),
+                    MaskInput::Full([1, 1, 1104, 1104]),
+                    bias([1, 2, 1104, 1104]),
+                ),
+                Case::new(
+                    Problem::square(1, 2, 2112, 64),
+                    Spec::from(true),
+                    MaskInput::Documents(700),
+                    None,
+                ),
+                Case::new(
+                    Problem::square(2, 2, 2112, 128),
+                    Spec::from(true),
+                    MaskInput::None,
+                    bias([1, 2, 2112, 2112]),
+                ),
+            ],
+            7700,
+        );
+        let hopper = burn_flash::testing::warpgroup_forward_launches() - before;
+        eprintln!("warpgroup_inputs_cuda: {hopper} forwards on warpgroup products");
+        if common::cuda::has_wgmma(&device) {
+            assert!(
+                hopper >= 3,
+                "each case's forward on warpgroup products, not {hopper}"
+            );
+        }
+    }
+
     /// Biases with gradients (full, per head, per key, with `-inf`), with the softcap, GQA, the
     /// atomic-dQ option (a bias gradient keeps the dQ launch) and a mask.
     #[test]

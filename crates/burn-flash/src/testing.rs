@@ -215,6 +215,58 @@ pub(crate) fn warpgroup_backward_forced() -> bool {
     Held::any(&FORCED_WARPGROUP_BACKWARD)
 }
 
+static FORCED_WARPGROUP_INPUTS: AtomicUsize = AtomicUsize::new(0);
+
+/// While the returned guard lives, forwards with a boolean mask of a row per query or an
+/// additive bias of a row per query (over keys in whole 16 bytes) take the Hopper forward on
+/// warpgroup products wherever it can run (SM90, head dims 64 and 128, plain or causal), as
+/// `BURN_FLASH_WARPGROUP_INPUTS=1` does for a process; by default they take the tensor-core
+/// tile. Guards nest and may live on several threads at once.
+///
+/// # Example
+///
+/// ```
+/// let hopper = burn_flash::testing::force_warpgroup_inputs();
+/// // ... run masked or biased attention forwards ...
+/// drop(hopper);
+/// ```
+#[must_use = "the warpgroup forward's inputs are forced only while the guard lives"]
+pub fn force_warpgroup_inputs() -> ForcedWarpgroupInputs {
+    ForcedWarpgroupInputs {
+        _held: Held::new(&FORCED_WARPGROUP_INPUTS),
+    }
+}
+
+/// Guard of [`force_warpgroup_inputs`].
+pub struct ForcedWarpgroupInputs {
+    _held: Held,
+}
+
+/// Whether some [`force_warpgroup_inputs`] guard lives; read by the forward's plan.
+pub(crate) fn warpgroup_inputs_forced() -> bool {
+    Held::any(&FORCED_WARPGROUP_INPUTS)
+}
+
+static WARPGROUP_FORWARDS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many forwards of this process have run on Hopper's warpgroup products, so tests can
+/// tell that the path ran.
+///
+/// # Example
+///
+/// ```
+/// assert_eq!(burn_flash::testing::warpgroup_forward_launches(), 0); // no forward ran yet
+/// ```
+pub fn warpgroup_forward_launches() -> usize {
+    WARPGROUP_FORWARDS.load(Ordering::Relaxed)
+}
+
+/// Counts one forward on warpgroup products for [`warpgroup_forward_launches`].
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn record_warpgroup_forward() {
+    WARPGROUP_FORWARDS.fetch_add(1, Ordering::Relaxed);
+}
+
 static AVOIDED_WARPGROUP_BACKWARD: AtomicUsize = AtomicUsize::new(0);
 
 /// While the returned guard lives (and no [`force_warpgroup_backward`] guard does), backwards

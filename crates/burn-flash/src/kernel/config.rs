@@ -252,9 +252,17 @@ pub struct WarpgroupConfig {
     /// and [`BLOCK_KV`](Self::BLOCK_KV) keys ([`pack`](super::pack)), hides keys: each query
     /// block walks only the key blocks from the first its mask lets it see to the last.
     pub mask: Switch,
-    /// An additive bias input (`[b|1, h|1, sq|1, sk]`, the inputs' dtype) is added to the
-    /// scores, read where each score register sits.
+    /// An additive bias input (`[b|1, h|1, sq, sk]`, the inputs' dtype, rows of whole 16
+    /// bytes) is added to the scores: the producer copies each key block's bias for the query
+    /// block with its keys and values (a tensor map's boxes, as the queries'), into two stages
+    /// of their own.
     pub bias: Switch,
+    /// Whether the bias has a batch and a head dim of its own (else one batch or head is
+    /// read for every batch or head).
+    pub bias_steps: (bool, bool),
+    /// Batches before heads in the cubes' order, so that the cubes running at once read one
+    /// head's bias shared by the batch ([`grid::batch_inner`](super::grid::batch_inner)).
+    pub batch_inner: bool,
 }
 
 impl WarpgroupConfig {
@@ -273,6 +281,8 @@ impl WarpgroupConfig {
             persistent: false,
             mask: Switch(false),
             bias: Switch(false),
+            bias_steps: (false, false),
+            batch_inner: false,
         }
     }
 
@@ -287,11 +297,17 @@ impl WarpgroupConfig {
         64 * self.warpgroups
     }
 
-    /// Shared memory of one cube for 16-bit inputs: its query blocks and two stages of K and V,
-    /// each on a 1024-byte boundary (the swizzle's period), plus their barriers.
+    /// Shared memory of one cube for 16-bit inputs: its query blocks, two stages of K and V and
+    /// with a bias two of its blocks, each a whole number of 1024-byte swizzle periods laid
+    /// out from a 1024-byte boundary, plus their barriers (and a period of slack).
     pub fn shared_bytes(&self) -> usize {
         let rows = self.query_slots() * self.block_q() + 4 * Self::BLOCK_KV;
-        rows * self.head_dim * 2 + 3 * TMA_ALIGN + 64
+        let bias = if self.bias.0 {
+            2 * self.block_q() * Self::BLOCK_KV
+        } else {
+            0
+        };
+        (rows * self.head_dim + bias) * 2 + TMA_ALIGN + 64
     }
 }
 

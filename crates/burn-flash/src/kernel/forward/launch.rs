@@ -236,6 +236,7 @@ fn launch(
             .filter(|_| warpgroup.mask.0)
             .map(|mask| pack_mask(mask, warpgroup.block_q(), WarpgroupConfig::BLOCK_KV));
         let bias = inputs.bias.as_ref().filter(|_| warpgroup.bias.0);
+        crate::testing::record_warpgroup_forward();
         super::warpgroup::launch(
             &q,
             &k,

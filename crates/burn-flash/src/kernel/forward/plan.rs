@@ -293,9 +293,11 @@ fn warpgroup_pays(blocks: &WarpgroupConfig, problem: &ForwardProblem) -> bool {
 /// The Hopper forward's blocks ([`warpgroup`](super::warpgroup)) where it can run the problem:
 /// the tensor-core tile on a device with warpgroup products (SM90: [`DeviceCaps::wgmma`]),
 /// head dim 64 or 128 for queries and values alike, plain or causal attention over whole
-/// batches of keys (no mask or bias input, window's left side, softcap, dropout, ALiBi, key
-/// lengths, pages, packed sequences or split keys), on persistent cubes where
-/// [`persistent_pays`]. `BURN_FLASH_WARPGROUPS=2|3` overrides its warpgroups for tuning runs.
+/// batches of keys, with a boolean mask of a row per query and, at head dim 128, an additive
+/// bias of a row per query over keys in whole 16 bytes (no other mask or bias input, window's
+/// left side, softcap, dropout, ALiBi, key lengths, pages, packed sequences or split keys), on
+/// persistent cubes where [`persistent_pays`] and the shared memory holds them.
+/// `BURN_FLASH_WARPGROUPS=2|3` overrides its warpgroups for tuning runs.
 fn warpgroup_blocks(
     caps: &DeviceCaps,
     cfg: &TileConfig,
@@ -309,22 +311,38 @@ fn warpgroup_blocks(
         warpgroups: warpgroups.unwrap_or(blocks.warpgroups),
         ..blocks
     };
-    // A boolean mask with a row per query (packed into bits for the warpgroup's blocks) and an
-    // additive bias, only where `BURN_FLASH_WARPGROUP_INPUTS=1` asks: their test has not run on
-    // a GPU yet.
-    let inputs = warpgroup_inputs_override() == Some(true);
+    // A boolean mask with a row per query, packed into bits for the warpgroup's blocks, and an
+    // additive bias with a row per query and keys in whole 16 bytes (a tensor map's rows), where
+    // `BURN_FLASH_WARPGROUP_INPUTS=1` or `testing::force_warpgroup_inputs` asks: measured
+    // faster than the tile at head dim 128 (masks at 64 too; `docs/perf-notes.md`, 2026-12-01),
+    // but their path through the API has not yet run in a test on a GPU.
+    let inputs =
+        crate::testing::warpgroup_inputs_forced() || warpgroup_inputs_override() == Some(true);
     let masked = inputs
         && problem
             .inputs
             .mask
             .is_some_and(|facts| facts.dims[2] == problem.seq_q);
-    let biased = inputs && problem.inputs.bias.is_some();
+    let bias = problem.inputs.bias.filter(|facts| {
+        inputs && facts.dims[2] == problem.seq_q && problem.seq_k.is_multiple_of(8)
+    });
     let blocks = WarpgroupConfig {
         persistent: persistent_override().unwrap_or_else(|| persistent_pays(&blocks, problem)),
         mask: Switch(masked),
-        bias: Switch(biased),
+        bias: Switch(bias.is_some()),
+        bias_steps: bias.map_or((false, false), |facts| {
+            (facts.dims[0] != 1, facts.dims[1] != 1)
+        }),
+        batch_inner: cfg.batch_inner,
         ..blocks
     };
+    // Persistent cubes hold two query blocks: with a bias's stages, at head dim 128, more
+    // than an SM's shared memory.
+    let blocks = WarpgroupConfig {
+        persistent: blocks.persistent && caps.fits_shared("forward", blocks.shared_bytes()).is_ok(),
+        ..blocks
+    };
+    let biased = bias.is_some();
     let without_inputs = ScoreParams {
         mask: MaskConfig {
             tensor: false,
@@ -685,19 +703,47 @@ mod tests {
         );
         let d96 = problem(96, FlashAttentionOptions::new(), ScoreFacts::default());
         assert_eq!(blocks(&caps::h100(), &d96), None);
-        // A mask takes the tile unless `BURN_FLASH_WARPGROUP_INPUTS=1` (unset in tests).
-        let masked = problem(
-            128,
-            FlashAttentionOptions::new(),
-            ScoreFacts {
-                mask: Some(InputFacts {
-                    elem_size: 1,
-                    dims: [4, 1, 4096, 4096],
-                }),
-                bias: None,
-            },
+        // Masks and biases take the tile unless asked (`BURN_FLASH_WARPGROUP_INPUTS` unset in
+        // tests); asked, masks with a row per query and biases with one and keys in whole 16
+        // bytes take the Hopper forward.
+        let inputs = |d: usize, mask: Option<[usize; 4]>, bias: Option<[usize; 4]>| {
+            let facts = |dims: Option<[usize; 4]>, elem_size| {
+                dims.map(|dims| InputFacts { elem_size, dims })
+            };
+            let inputs = ScoreFacts {
+                mask: facts(mask, 1),
+                bias: facts(bias, 2),
+            };
+            problem(d, FlashAttentionOptions::new(), inputs)
+        };
+        let mask = inputs(128, Some([4, 1, 4096, 4096]), None);
+        let bias = inputs(128, None, Some([1, 16, 4096, 4096]));
+        assert_eq!(blocks(&caps::h100(), &mask), None, "a mask, not asked");
+        assert_eq!(blocks(&caps::h100(), &bias), None, "a bias, not asked");
+        let _asked = crate::testing::force_warpgroup_inputs();
+        let masked = blocks(&caps::h100(), &mask).expect("a mask with a row per query");
+        assert!(masked.mask.0 && !masked.bias.0);
+        assert_eq!(
+            blocks(&caps::h100(), &inputs(64, Some([4, 1, 1, 4096]), None)),
+            None,
+            "a mask of one row for every query"
         );
-        assert_eq!(blocks(&caps::h100(), &masked), None, "a mask");
+        let biased = blocks(&caps::h100(), &bias).expect("a bias");
+        assert!(biased.bias.0 && biased.bias_steps == (false, true) && !biased.persistent);
+        assert!(biased.batch_inner, "one bias for a batch of four");
+        let both = inputs(128, Some([4, 1, 4096, 4096]), Some([4, 1, 4096, 4096]));
+        let both = blocks(&caps::h100(), &both).expect("a mask and a bias");
+        assert!(both.mask.0 && both.bias.0 && both.bias_steps == (true, false));
+        assert!(
+            blocks(&caps::h100(), &inputs(64, None, Some([1, 16, 4096, 4096]))).is_some(),
+            "a bias at head dim 64"
+        );
+        assert_eq!(
+            blocks(&caps::h100(), &inputs(128, None, Some([1, 16, 1, 4096]))),
+            None,
+            "a bias of one row for every query"
+        );
+        drop(_asked);
         let window = problem(
             64,
             causal.with_window(AttentionWindow::new(Some(256), Some(0))),

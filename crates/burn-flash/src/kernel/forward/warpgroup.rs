@@ -13,10 +13,11 @@
 //! loop, two query slots deep, so that the next block's queries and first keys are in flight
 //! while the current block's last products run and its rows are written: an SM holds one cube,
 //! whose start and end would otherwise idle it. Plain and causal attention (any diagonal
-//! offset), head dims 64 and 128, 16-bit inputs; every other feature takes the tensor-core
-//! tile. A boolean mask packed into bits (`cfg.mask`) and an additive bias (`cfg.bias`) are
-//! built into the kernel, planned only under `BURN_FLASH_WARPGROUP_INPUTS=1`: their test has
-//! not run on a GPU yet.
+//! offset), head dims 64 and 128, 16-bit inputs, with a boolean mask packed into bits
+//! (`cfg.mask`: each query block walks only the key blocks its mask lets it see, and a warp
+//! whose rows a block hides nothing from skips the test) and an additive bias (`cfg.bias`: the
+//! producer copies each key block's bias beside its keys and values); every other feature
+//! takes the tensor-core tile.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -29,7 +30,7 @@ use crate::kernel::pack::PackedMask;
 use crate::kernel::softmax::{exp2, reciprocal};
 use crate::kernel::tensors::KernelTensor;
 use crate::kernel::tile::wgmma::{
-    descriptor, descriptor_across_rows, position, product, product_pv, wait_products,
+    descriptor, descriptor_across_rows, position, product, product_pv, swizzled, wait_products,
 };
 
 /// The units of a cube: the computing warpgroups', then the producer's warp.
@@ -84,8 +85,7 @@ pub(crate) fn launch(
 /// [`launch`] with `resident` persistent cubes (all the query blocks' where `None`); a
 /// one-block-a-cube `cfg` ignores it. With `cfg.mask`, `mask` is the boolean mask packed for
 /// the blocks of `cfg` (`pack_mask(mask, cfg.block_q(), BLOCK_KV)`); with `cfg.bias`, `bias`
-/// is added to the scores. The plan takes either only under `BURN_FLASH_WARPGROUP_INPUTS=1`
-/// (neither has run in a test on a GPU yet).
+/// (`[b|1, h|1, sq, sk]`, contiguous, `sk` a multiple of 8) is added to the scores.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_cubes(
     q: &KernelTensor,
@@ -117,6 +117,18 @@ pub(crate) fn launch_cubes(
         "a packed mask exactly where planned"
     );
     assert_eq!(cfg.bias.0, bias.is_some(), "a bias exactly where planned");
+    if let Some(bias) = bias {
+        let dims = bias.meta.shape();
+        assert!(
+            dims[2] == seq_q && dims[3] == seq_k && (seq_k * 2).is_multiple_of(16),
+            "a bias read by a tensor map: a row per query, rows of whole 16 bytes"
+        );
+        assert_eq!(
+            cfg.bias_steps,
+            (dims[0] != 1, dims[1] != 1),
+            "the bias's batches and heads as planned"
+        );
+    }
     // SAFETY: the tensor maps bound every read (rows past a sequence arrive as zeros); the
     // kernel writes only rows below `seq_q` of `out` and `lse`, whose shapes the caller
     // allocated from `q`'s, and the caller checked their indices fit 32 bits.
@@ -135,7 +147,7 @@ pub(crate) fn launch_cubes(
             mask.map(|m| m.words.clone().into_tensor_arg()).into(),
             mask.map(|m| m.hidden_blocks.clone().into_tensor_arg())
                 .into(),
-            bias.map(|b| b.clone().into_tensor_arg()).into(),
+            bias.map(|b| map(b, cfg.block_q())).into(),
             seq_k as u32,
             (heads / kv_heads) as u32,
             params.scale * core::f32::consts::LOG2_E,
@@ -179,14 +191,17 @@ pub(crate) fn cube_count(
         let blocks = q_blocks * heads * batch;
         let cubes = resident.map_or(blocks, |r| r.clamp(1, blocks.max(1)));
         CubeCount::Static(u32::try_from(cubes).expect("query blocks under 2^32"), 1, 1)
+    } else if cfg.batch_inner {
+        CubeCount::Static(q_blocks as u32, batch as u32, heads as u32)
     } else {
         CubeCount::Static(q_blocks as u32, heads as u32, batch as u32)
     }
 }
 
 /// The forward of 128-row query blocks of `[b, h, sq, d]` queries: one a cube (the grid's
-/// x, y, z being the block, head and batch), or, with `cfg.persistent`, every
-/// `CUBE_COUNT_X`-th block from `CUBE_POS_X` (query block fastest, then head, then batch).
+/// x, y, z being the block, head and batch; with `cfg.batch_inner` the block, batch and head),
+/// or, with `cfg.persistent`, every `CUBE_COUNT_X`-th block from `CUBE_POS_X` (query block
+/// fastest, then head, then batch; [`tile_rows`]).
 /// `q_map`, `k_map`, `v_map` are tensor maps of the queries and of `[b, hkv, sk, d]` keys and
 /// values (boxes of 64 columns, 128-byte swizzle); `out` is `[b, h, sq, d]`, `lse` `[b, h, sq]`
 /// (natural log, `-inf` where a row sees no key). Key `j` is visible to query `i` where
@@ -208,7 +223,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
     lse: &mut Tensor<f32>,
     mask_words: ComptimeOption<&Tensor<u32>>,
     hidden_blocks: ComptimeOption<&Tensor<u32>>,
-    bias: ComptimeOption<&Tensor<E>>,
+    bias: ComptimeOption<&TensorMap<E, Tiled>>,
     seq_k: u32,
     group: u32,
     scale: f32,
@@ -229,6 +244,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
         Shared::<[E]>::new_aligned_slice(comptime!(cfg.query_slots() * q_len), 1024usize);
     let mut keys = Shared::<[E]>::new_aligned_slice(comptime!(2 * block_kv * d), 1024usize);
     let mut values = Shared::<[E]>::new_aligned_slice(comptime!(2 * block_kv * d), 1024usize);
+    let mut biases = bias_stages::<E>(cfg);
     // A stage or query slot is full when the copy engine has written it (the producer's one
     // arrival, with the bytes it expects), empty when every consumer unit is done with it.
     let queries_full = Barrier::shared(1, UNIT_POS == 0);
@@ -240,7 +256,6 @@ pub fn warpgroup_forward<E: Float, O: Size>(
         Barrier::shared(computing, UNIT_POS == 0),
         Barrier::shared(computing, UNIT_POS == 0),
     );
-
     if comptime!(cfg.persistent) {
         // The second query slot, and both slots' release.
         let second_queries_full = Barrier::shared(1, UNIT_POS == 0);
@@ -257,7 +272,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
         let mut walked = 0usize;
         let mut tile = CUBE_POS_X as usize;
         while tile < tiles {
-            let (batch, head, q_start) = tile_rows(tile, heads, q_blocks, tiles, cfg);
+            let (batch, head, q_start) = tile_rows(tile, out.shape(0), heads, q_blocks, tiles, cfg);
             let end = key_blocks_end(q_start, seq_k, bound, cfg);
             let (first, end) = visible_blocks(hidden_blocks, batch, head, q_start, end, cfg);
             let slot = walked % 2;
@@ -301,10 +316,14 @@ pub fn warpgroup_forward<E: Float, O: Size>(
                     &empty,
                     k_map,
                     v_map,
+                    bias,
                     &mut keys,
                     &mut values,
+                    &mut biases,
                     batch,
+                    head,
                     head / group as usize,
+                    q_start,
                     cfg,
                 );
             } else if UNIT_POS < computing {
@@ -327,7 +346,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
                     out,
                     lse,
                     mask_words,
-                    bias,
+                    &biases,
                     batch,
                     head,
                     q_start,
@@ -362,7 +381,11 @@ pub fn warpgroup_forward<E: Float, O: Size>(
         } else {
             CUBE_POS_X
         };
-        let (batch, head) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
+        let (batch, head) = if comptime!(cfg.batch_inner) {
+            (CUBE_POS_Y as usize, CUBE_POS_Z as usize)
+        } else {
+            (CUBE_POS_Z as usize, CUBE_POS_Y as usize)
+        };
         let q_start = x as usize * block_q;
         let end = key_blocks_end(q_start, seq_k, bound, cfg);
         let (first, end) = visible_blocks(hidden_blocks, batch, head, q_start, end, cfg);
@@ -385,50 +408,58 @@ pub fn warpgroup_forward<E: Float, O: Size>(
                 &empty,
                 k_map,
                 v_map,
+                bias,
                 &mut keys,
                 &mut values,
+                &mut biases,
                 batch,
+                head,
                 head / group as usize,
+                q_start,
                 cfg,
             );
         } else if UNIT_POS < computing {
             queries_full.wait_parity(0);
             attend_rows::<E, O>(
                 0usize, first, end, 0u64, &queries, &keys, &values, &full, &empty, out, lse,
-                mask_words, bias, batch, head, q_start, seq_q, seq_k, scale, bound, neg_inf, cfg,
+                mask_words, &biases, batch, head, q_start, seq_q, seq_k, scale, bound, neg_inf,
+                cfg,
             );
         }
     }
 }
 
 /// Batch, head and first row of a persistent cube's query block `tile` (of `tiles`, `q_blocks`
-/// a head). Query block fastest, then head, then batch; under a causal mask, where a head's
-/// blocks differ in length, each head's last-first, or, where the grid has two cubes or more a
-/// (batch, head) pair, every pair's longest block before any pair's next: a pass over the grid
-/// then holds blocks of about one length, and in both orders the cubes of a pass share the
-/// keys of a few heads in L2 (with fewer than two cubes a pair, a pass of the second order
-/// would read a head's keys once per cube).
+/// a head of `batches` × `heads`). Query block fastest, then head, then batch (with
+/// `cfg.batch_inner` batch, then head: the cubes of a pass read one head's bias); under a
+/// causal mask, where a head's blocks differ in length, each head's last-first, or, where the
+/// grid has two cubes or more a (batch, head) pair, every pair's longest block before any
+/// pair's next: a pass over the grid then holds blocks of about one length, and in both orders
+/// the cubes of a pass share the keys of a few heads in L2 (with fewer than two cubes a pair,
+/// a pass of the second order would read a head's keys once per cube).
 #[cube]
 fn tile_rows(
     tile: usize,
+    batches: usize,
     heads: usize,
     q_blocks: usize,
     tiles: usize,
     #[comptime] cfg: WarpgroupConfig,
 ) -> (usize, usize, usize) {
+    let mut pair = tile / q_blocks;
+    let mut x = tile % q_blocks;
     if comptime!(cfg.causal) {
         let pairs = tiles / q_blocks;
-        let mut pair = tile / q_blocks;
-        let mut from_last = tile % q_blocks;
         if 2 * pairs <= CUBE_COUNT_X as usize {
             pair = tile % pairs;
-            from_last = tile / pairs;
+            x = tile / pairs;
         }
-        let x = q_blocks - 1 - from_last;
-        (pair / heads, pair % heads, x * cfg.block_q())
+        x = q_blocks - 1 - x;
+    }
+    if comptime!(cfg.batch_inner) {
+        (pair % batches, pair / batches, x * cfg.block_q())
     } else {
-        let pair = tile / q_blocks;
-        (pair / heads, pair % heads, tile % q_blocks * cfg.block_q())
+        (pair / heads, pair % heads, x * cfg.block_q())
     }
 }
 
@@ -484,9 +515,10 @@ fn load_queries<E: Float>(
     );
 }
 
-/// The producer's copies of a query block's key blocks `[first, end)` of (batch, kv_head) into
-/// the ring's two stages, each as soon as it is empty: the `n`-th block's `ring + n`-th use of
-/// the ring waits for its stage's release by the use two before.
+/// The producer's copies of the key blocks `[first, end)` of (batch, kv_head) into the
+/// ring's two stages, with the bias block of the query block from `q_start` where `cfg.bias`,
+/// each as soon as its stage is empty: the `n`-th block's `ring + n`-th use of the ring waits
+/// for its stage's release by the use two before.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn produce_blocks<E: Float>(
@@ -497,10 +529,14 @@ fn produce_blocks<E: Float>(
     empty: &Ring,
     k_map: &TensorMap<E, Tiled>,
     v_map: &TensorMap<E, Tiled>,
+    bias: ComptimeOption<&TensorMap<E, Tiled>>,
     keys: &mut Shared<[E]>,
     values: &mut Shared<[E]>,
+    biases: &mut ComptimeOption<Shared<[E]>>,
     batch: usize,
+    head: usize,
     kv_head: usize,
+    q_start: usize,
     #[comptime] cfg: WarpgroupConfig,
 ) {
     for block in first..end {
@@ -512,14 +548,16 @@ fn produce_blocks<E: Float>(
                 empty.0.wait_parity(release);
             }
             fetch_block::<E>(
-                &full.0, k_map, v_map, keys, values, 0, batch, kv_head, block, cfg,
+                &full.0, k_map, v_map, bias, keys, values, biases, 0, batch, head, kv_head,
+                q_start, block, cfg,
             );
         } else {
             if issued >= 2 {
                 empty.1.wait_parity(release);
             }
             fetch_block::<E>(
-                &full.1, k_map, v_map, keys, values, 1, batch, kv_head, block, cfg,
+                &full.1, k_map, v_map, bias, keys, values, biases, 1, batch, head, kv_head,
+                q_start, block, cfg,
             );
         }
     }
@@ -545,7 +583,7 @@ fn attend_rows<E: Float, O: Size>(
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
     mask_words: ComptimeOption<&Tensor<u32>>,
-    bias: ComptimeOption<&Tensor<E>>,
+    biases: &ComptimeOption<Shared<[E]>>,
     batch: usize,
     head: usize,
     q_start: usize,
@@ -600,8 +638,18 @@ fn attend_rows<E: Float, O: Size>(
             d,
             cfg.bf16,
         );
-        wait_products();
         let key_start = block * block_kv;
+        // The block's mask words are read while its product runs: read after it, their
+        // latency would stall every block.
+        let mut words = (
+            Vector::<u32, Const<4>>::empty(),
+            Vector::<u32, Const<4>>::empty(),
+        );
+        #[comptime]
+        if let ComptimeOption::Some(mask_words) = mask_words {
+            words = mask_rows(mask_words, batch, head, block, row);
+        }
+        wait_products();
         // Only the blocks that cross the sequence's end or a diagonal of the warpgroup's
         // rows test each score.
         let crosses_end = key_start + block_kv > seq_k;
@@ -612,13 +660,12 @@ fn attend_rows<E: Float, O: Size>(
         } else {
             s
         };
-        #[comptime]
-        if let ComptimeOption::Some(words) = mask_words {
-            s = hide_masked(s, words, batch, head, block, row, neg_inf);
+        if comptime!(cfg.mask.0) {
+            s = hide_masked(s, words, neg_inf);
         }
         #[comptime]
-        if let ComptimeOption::Some(bias) = bias {
-            s = add_bias::<E>(s, bias, batch, head, key_start, row, seq_q, seq_k, scale);
+        if let ComptimeOption::Some(stages) = biases {
+            s = add_bias::<E>(s, stages, stage, scale, cfg);
         }
         let p = online_softmax::<E, O>(&s, scale, &mut o, &mut row_max, &mut row_sum, neg_inf);
         o = product_pv::<O, Const<32>>(o, p, values_desc + stage_offset, block_kv, d, cfg.bf16);
@@ -688,26 +735,37 @@ pub(crate) fn load_panels<E: Float>(
     }
 }
 
-/// Issue key block `block`'s keys and values into stage `stage`, completing on `barrier`: the
-/// producer's arrival with the bytes it expects, before the copies, so that the phase cannot
-/// complete without them. Rows past the sequence arrive as zeros.
+/// Issue key block `block`'s keys and values of (batch, kv_head) into stage `stage`, and
+/// where `cfg.bias` the bias of (batch, head)'s query block from `q_start` over those keys,
+/// completing on `barrier`: the producer's arrival with the bytes it expects, before the
+/// copies, so that the phase cannot complete without them. Rows and keys past the sequences
+/// arrive as zeros.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fetch_block<E: Float>(
     barrier: &Barrier,
     k_map: &TensorMap<E, Tiled>,
     v_map: &TensorMap<E, Tiled>,
+    bias: ComptimeOption<&TensorMap<E, Tiled>>,
     keys: &mut Shared<[E]>,
     values: &mut Shared<[E]>,
+    biases: &mut ComptimeOption<Shared<[E]>>,
     stage: usize,
     batch: usize,
+    head: usize,
     kv_head: usize,
+    q_start: usize,
     block: usize,
     #[comptime] cfg: WarpgroupConfig,
 ) {
     let block_kv = comptime!(WarpgroupConfig::BLOCK_KV);
     let stage_len = comptime!(block_kv * cfg.head_dim);
-    barrier.arrive_and_expect_tx(1, comptime!((2 * stage_len * 2) as u32));
+    let bias_len = comptime!(if cfg.bias.0 {
+        cfg.block_q() * block_kv
+    } else {
+        0
+    });
+    barrier.arrive_and_expect_tx(1, comptime!(((2 * stage_len + bias_len) * 2) as u32));
     let (start, row) = (stage * stage_len, block * block_kv);
     load_panels::<E>(
         barrier,
@@ -731,6 +789,28 @@ fn fetch_block<E: Float>(
         block_kv,
         cfg.head_dim,
     );
+    #[comptime]
+    if let ComptimeOption::Some(stages) = biases {
+        #[comptime]
+        if let ComptimeOption::Some(map) = bias {
+            // A bias of one batch or head is read for every batch or head.
+            let bias_batch = select(comptime!(cfg.bias_steps.0), batch, 0usize);
+            let bias_head = select(comptime!(cfg.bias_steps.1), head, 0usize);
+            let panel = comptime!(cfg.block_q() * 64);
+            #[unroll]
+            for p in 0..comptime!(block_kv / 64) {
+                let at = stage * bias_len + comptime!(p * panel);
+                barrier.tma_load_4d(
+                    map,
+                    stages.slice_mut(at, at + panel),
+                    bias_batch as i32,
+                    bias_head as i32,
+                    q_start as i32,
+                    (row + comptime!(p * 64)) as i32,
+                );
+            }
+        }
+    }
 }
 
 /// The raw scores with the keys past `seq_k` and, causal, right of each row's diagonal at
@@ -761,62 +841,69 @@ fn masked_scores(
     t
 }
 
-/// The scores `s` of the key block from `key_start` plus `bias` (`[b|1, h|1, sq|1, sk]`) over
-/// the softmax scale (`scale` is it times log2 e; the scale multiplies the sum, and a launch
-/// argument fewer keeps the kernels without a bias as they were): for the unit's rows (`row`
-/// and 8 below), read where each score sits, rows and keys past the sequences' ends clamped
-/// into them (their scores are hidden or never written).
+/// The bias stages where `cfg.bias`: two, each the query block's rows over a key block's
+/// keys, as panels of 64 keys (the tensor map's boxes, 128-byte swizzle).
 #[cube]
-#[allow(clippy::too_many_arguments)]
+fn bias_stages<E: Float>(#[comptime] cfg: WarpgroupConfig) -> ComptimeOption<Shared<[E]>> {
+    if comptime!(cfg.bias.0) {
+        let len = comptime!(2 * cfg.block_q() * WarpgroupConfig::BLOCK_KV);
+        ComptimeOption::new_Some(Shared::<[E]>::new_aligned_slice(len, 1024usize))
+    } else {
+        ComptimeOption::new_None()
+    }
+}
+
+/// The scores `s` plus the bias over the softmax scale (`scale` is it times log2 e; the scale
+/// multiplies the sum, and a launch argument fewer keeps the kernels without a bias as they
+/// were), read from stage `stage` of `stages` ([`bias_stages`]): each pair of accumulators
+/// (`2f`, `2f + 1`: same row, adjacent keys) one 4-byte read, the eight rows of a warp's read
+/// in distinct banks by the swizzle. Rows and keys past the sequences read zeros.
+#[cube]
 fn add_bias<E: Float>(
     s: Scores,
-    bias: &Tensor<E>,
-    batch: usize,
-    head: usize,
-    key_start: usize,
-    row: usize,
-    seq_q: usize,
-    seq_k: usize,
+    stages: &Shared<[E]>,
+    stage: usize,
     scale: f32,
+    #[comptime] cfg: WarpgroupConfig,
 ) -> Scores {
     // Not a division: its slow path is a call, which would serialise the kernel's products.
     let inv_scale = comptime!(core::f32::consts::LOG2_E) * reciprocal(scale);
-    let at = broadcast::<E>(bias, batch, head);
-    let upper = at.base + min(row, seq_q - 1) * at.row_stride;
-    let lower = at.base + min(row + 8, seq_q - 1) * at.row_stride;
     let unit = UNIT_POS as usize % 128;
+    let rows = (UNIT_POS as usize / 128) * 64;
+    let panel = comptime!(cfg.block_q() * 64);
+    let base = stage * comptime!(cfg.block_q() * WarpgroupConfig::BLOCK_KV);
     let mut t = s;
     #[unroll]
-    for nth in 0..64usize {
-        let (_, col) = position(unit, nth);
-        let key = min(key_start + col, seq_k - 1);
-        let at = if comptime!((nth % 4) / 2 == 0) {
-            upper
-        } else {
-            lower
-        };
-        t.insert(
-            nth,
-            s.extract(nth) + f32::cast_from(bias[at + key]) * inv_scale,
-        );
+    for f in 0..32usize {
+        let (row, col) = position(unit, comptime!(2 * f));
+        let at = base + comptime!(f / 16 * panel) + swizzled(rows + row, col % 64);
+        let pair = stages
+            .slice(at, at + 2)
+            .as_vectorized()
+            .with_vector_size::<Const<2>>()[0];
+        #[unroll]
+        for half in 0..2usize {
+            let nth = comptime!(2 * f + half);
+            t.insert(
+                nth,
+                s.extract(nth) + f32::cast_from(pair.extract(half)) * inv_scale,
+            );
+        }
     }
     t
 }
 
-/// The scores `s` of key block `block` with the keys the packed mask `words` hides from the
-/// unit's rows (`row` and 8 below) at `-inf` ([`pack`](crate::kernel::pack): 4 words a row of
-/// 128 keys, bit `j % 32` of word `j / 32` for key `j`; `[b|1, h|1, blocks, rows · 4]`). A
-/// block whose words hide nothing from any row of the warp is left as it is.
+/// The packed mask `words` of key block `block` for the unit's rows (`row` and 8 below), 4
+/// words a row of 128 keys, bit `j % 32` of word `j / 32` for key `j`
+/// ([`pack`](crate::kernel::pack): `[b|1, h|1, blocks, rows · 4]`).
 #[cube]
-fn hide_masked(
-    s: Scores,
+fn mask_rows(
     words: &Tensor<u32>,
     batch: usize,
     head: usize,
     block: usize,
     row: usize,
-    neg_inf: f32,
-) -> Scores {
+) -> (Vector<u32, Const<4>>, Vector<u32, Const<4>>) {
     let at = broadcast::<u32>(words, batch, head).base + block * words.stride(2) + row * 4;
     let upper = words
         .slice(at, at + 4)
@@ -826,6 +913,18 @@ fn hide_masked(
         .slice(at + 32, at + 36)
         .as_vectorized()
         .with_vector_size::<Const<4>>()[0];
+    (upper, lower)
+}
+
+/// The scores `s` with the keys the unit's rows' mask words ([`mask_rows`]) hide at `-inf`. A
+/// block whose words hide nothing from any row of the warp is left as it is.
+#[cube]
+fn hide_masked(
+    s: Scores,
+    words: (Vector<u32, Const<4>>, Vector<u32, Const<4>>),
+    neg_inf: f32,
+) -> Scores {
+    let (upper, lower) = words;
     let mut any = 0u32;
     #[unroll]
     for w in 0..4usize {

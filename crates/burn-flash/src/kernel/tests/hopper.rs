@@ -11,6 +11,7 @@ use crate::kernel::ScoreParams;
 use crate::kernel::config::{Switch, WarpgroupConfig};
 use crate::kernel::device::DeviceCaps;
 use crate::kernel::forward::warpgroup::launch_cubes;
+use crate::kernel::grid::batch_inner;
 use crate::kernel::pack::pack_mask;
 use crate::kernel::tensors::{BF16, F32, KernelTensor, ScoreInputs, output};
 use crate::kernel::tile::wgmma::{
@@ -469,6 +470,10 @@ fn check_inputs(
         persistent: resident.is_some(),
         mask: Switch(case.mask.is_some()),
         bias: Switch(case.bias.is_some()),
+        bias_steps: case
+            .bias
+            .map_or((false, false), |dims| (dims[0] != 1, dims[1] != 1)),
+        batch_inner: batch_inner(case.bias.map(|dims| dims[0]), case.batch),
         ..WarpgroupConfig::new(case.head_dim, params.mask.right, bf16)
     };
     let mask = inputs.mask.as_ref().map(|values| {
@@ -566,11 +571,10 @@ fn persistent_warpgroup_forward_matches_the_reference_cuda() {
     }
 }
 
-/// A boolean mask on the Hopper forward (packed into bits; planned only under
-/// `BURN_FLASH_WARPGROUP_INPUTS=1`): random masks (about a third of the pairs hidden, some
-/// broadcast over batches or heads), causal with rows that see no key, and document masks,
-/// whose query blocks walk only the key blocks from the first they see, on one cube a block
-/// and on persistent cubes.
+/// A boolean mask on the Hopper forward (packed into bits): random masks (about a third of the
+/// pairs hidden, some broadcast over batches or heads), causal with rows that see no key, and
+/// document masks, whose query blocks walk only the key blocks from the first they see, on one
+/// cube a block and on persistent cubes.
 #[test]
 fn masked_warpgroup_forward_matches_the_reference_cuda() {
     let Some(client) = hopper_or_skip("masked_warpgroup_forward_matches_the_reference_cuda") else {
@@ -626,9 +630,11 @@ fn masked_warpgroup_forward_matches_the_reference_cuda() {
     }
 }
 
-/// An additive bias on the Hopper forward (planned only under `BURN_FLASH_WARPGROUP_INPUTS=1`):
-/// per pair, broadcast over batches, per key (one row for every query), under a causal mask
-/// with rows that see no key, and beside a mask, on one cube a block and on persistent cubes.
+/// An additive bias on the Hopper forward (a row per query, keys in whole 16 bytes; planned at
+/// head dim 128), copied by a tensor map beside each key block: per pair, one for every batch
+/// (the cubes batch-inner, one a block and persistent, plain and causal) or every head, under
+/// a causal mask with rows that see no key, beside a mask, and over query and key blocks that
+/// cross the sequences' ends.
 #[test]
 fn biased_warpgroup_forward_matches_the_reference_cuda() {
     let Some(client) = hopper_or_skip("biased_warpgroup_forward_matches_the_reference_cuda") else {
@@ -636,26 +642,33 @@ fn biased_warpgroup_forward_matches_the_reference_cuda() {
     };
     let cases = [
         (
-            Case::new(2, 3, 300, 420, 64).bias([2, 3, 300, 420]),
+            Case::new(2, 3, 300, 424, 64).bias([1, 3, 300, 424]),
             true,
             None,
         ),
         (
-            Case::new(2, 4, 260, 520, 128)
+            Case::new(2, 4, 260, 520, 64)
                 .kv_heads(2)
                 .bias([1, 4, 260, 520]),
             true,
             Some(5),
         ),
         (
-            Case::new(2, 2, 200, 333, 128).bias([2, 1, 1, 333]),
+            Case::new(2, 2, 200, 336, 128).bias([2, 1, 200, 336]),
             false,
             None,
         ),
         (
-            Case::new(1, 2, 333, 130, 128)
+            Case::new(1, 2, 333, 136, 128)
                 .causal()
-                .bias([1, 2, 333, 130]),
+                .bias([1, 2, 333, 136]),
+            true,
+            None,
+        ),
+        (
+            Case::new(2, 2, 333, 136, 64)
+                .causal()
+                .bias([1, 2, 333, 136]),
             true,
             Some(3),
         ),
