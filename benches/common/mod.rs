@@ -74,33 +74,30 @@ pub enum ClearKind {
 /// The buffer a clearing pass goes over before each call ([`ClearKind`]). A reversal is a
 /// gather, which Burn's fusion does not merge into the next reversal, so each clear runs as a
 /// kernel of its own; a sum is added into the previous sums, so none is left unused.
-pub struct Clear {
-    kind: ClearKind,
-    /// The reversed buffer (one element where reading).
-    written: Tensor<1, Int>,
-    /// The summed buffer (one element where writing) and the sums so far.
-    read: Tensor<1>,
-    sums: Tensor<1>,
+// One per process: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+pub enum Clear {
+    /// The reversed buffer.
+    Write(Tensor<1, Int>),
+    /// The summed buffer and the sums so far.
+    Read { buffer: Tensor<1>, sums: Tensor<1> },
 }
 
 impl Clear {
     pub fn new(device: &Device, kind: ClearKind) -> Self {
-        let (written, read) = match kind {
-            ClearKind::Write => (32 << 20, 1),
-            ClearKind::Read => (1, 64 << 20),
-        };
-        Self {
-            kind,
-            written: Tensor::zeros([written], device),
-            read: Tensor::zeros([read], device),
-            sums: Tensor::zeros([1], device),
+        match kind {
+            ClearKind::Write => Self::Write(Tensor::zeros([32 << 20], device)),
+            ClearKind::Read => Self::Read {
+                buffer: Tensor::zeros([64 << 20], device),
+                sums: Tensor::zeros([1], device),
+            },
         }
     }
 
     pub fn run(&mut self) {
-        match self.kind {
-            ClearKind::Write => self.written = self.written.clone().flip([0]),
-            ClearKind::Read => self.sums = self.sums.clone() + self.read.clone().sum(),
+        match self {
+            Self::Write(buffer) => *buffer = buffer.clone().flip([0]),
+            Self::Read { buffer, sums } => *sums = sums.clone() + buffer.clone().sum(),
         }
     }
 }

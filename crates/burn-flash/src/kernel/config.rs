@@ -302,12 +302,17 @@ impl WarpgroupConfig {
     /// out from a 1024-byte boundary, plus their barriers (and a period of slack).
     pub fn shared_bytes(&self) -> usize {
         let rows = self.query_slots() * self.block_q() + 4 * Self::BLOCK_KV;
-        let bias = if self.bias.0 {
-            2 * self.block_q() * Self::BLOCK_KV
+        (rows * self.head_dim + 2 * self.bias_stage_len()) * 2 + TMA_ALIGN + 64
+    }
+
+    /// Elements of one bias stage: the query block's rows over a key block's keys (none
+    /// without a bias).
+    pub fn bias_stage_len(&self) -> usize {
+        if self.bias.0 {
+            self.block_q() * Self::BLOCK_KV
         } else {
             0
-        };
-        (rows * self.head_dim + bias) * 2 + TMA_ALIGN + 64
+        }
     }
 }
 

@@ -293,10 +293,11 @@ fn warpgroup_pays(blocks: &WarpgroupConfig, problem: &ForwardProblem) -> bool {
 /// The Hopper forward's blocks ([`warpgroup`](super::warpgroup)) where it can run the problem:
 /// the tensor-core tile on a device with warpgroup products (SM90: [`DeviceCaps::wgmma`]),
 /// head dim 64 or 128 for queries and values alike, plain or causal attention over whole
-/// batches of keys, with a boolean mask of a row per query and, at head dim 128, an additive
-/// bias of a row per query over keys in whole 16 bytes (no other mask or bias input, window's
-/// left side, softcap, dropout, ALiBi, key lengths, pages, packed sequences or split keys), on
-/// persistent cubes where [`persistent_pays`] and the shared memory holds them.
+/// batches of keys, where asked (`BURN_FLASH_WARPGROUP_INPUTS=1`) with a boolean mask of a row
+/// per query and an additive bias of a row per query over keys in whole 16 bytes (no other
+/// mask or bias input, window's left side, softcap, dropout, ALiBi, key lengths, pages, packed
+/// sequences or split keys), on persistent cubes where [`persistent_pays`] and the shared
+/// memory holds them.
 /// `BURN_FLASH_WARPGROUPS=2|3` overrides its warpgroups for tuning runs.
 fn warpgroup_blocks(
     caps: &DeviceCaps,

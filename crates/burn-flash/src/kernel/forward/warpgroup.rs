@@ -760,11 +760,7 @@ fn fetch_block<E: Float>(
 ) {
     let block_kv = comptime!(WarpgroupConfig::BLOCK_KV);
     let stage_len = comptime!(block_kv * cfg.head_dim);
-    let bias_len = comptime!(if cfg.bias.0 {
-        cfg.block_q() * block_kv
-    } else {
-        0
-    });
+    let bias_len = comptime!(cfg.bias_stage_len());
     barrier.arrive_and_expect_tx(1, comptime!(((2 * stage_len + bias_len) * 2) as u32));
     let (start, row) = (stage * stage_len, block * block_kv);
     load_panels::<E>(
@@ -846,7 +842,7 @@ fn masked_scores(
 #[cube]
 fn bias_stages<E: Float>(#[comptime] cfg: WarpgroupConfig) -> ComptimeOption<Shared<[E]>> {
     if comptime!(cfg.bias.0) {
-        let len = comptime!(2 * cfg.block_q() * WarpgroupConfig::BLOCK_KV);
+        let len = comptime!(2 * cfg.bias_stage_len());
         ComptimeOption::new_Some(Shared::<[E]>::new_aligned_slice(len, 1024usize))
     } else {
         ComptimeOption::new_None()
@@ -871,7 +867,7 @@ fn add_bias<E: Float>(
     let unit = UNIT_POS as usize % 128;
     let rows = (UNIT_POS as usize / 128) * 64;
     let panel = comptime!(cfg.block_q() * 64);
-    let base = stage * comptime!(cfg.block_q() * WarpgroupConfig::BLOCK_KV);
+    let base = stage * comptime!(cfg.bias_stage_len());
     let mut t = s;
     #[unroll]
     for f in 0..32usize {
