@@ -27,30 +27,30 @@
 //! On CUDA the inputs are bf16 with head dim 128; elsewhere f32 on `Device::wgpu` with small
 //! caches. Shapes whose cache would exceed `--max-cache-gib` are skipped.
 //!
-//! Method on CUDA, as `benches/attention.rs --timing clear` and PyTorch's `do_bench`: before
-//! every call a pass over a 256 MiB buffer evicts the L2 cache (a small KV cache would otherwise
-//! be read from it), and the calls are timed by difference: each sample times a batch of clears
-//! alone, then a batch of clears each followed by a call; the median of the samples' per-call
-//! differences is reported (`nan` where it is not positive). On wgpu the calls run back to back
-//! without clears (lavapipe is a CPU: its rows are a smoke test). The first call (compilation,
-//! autotune) and `--warmup` more are not timed. `burn-builtin` is not a default: Burn 0.23's
-//! `attention` autotunes for minutes per new shape on CUDA.
+//! Method on CUDA, as PyTorch's `do_bench` (and `scripts/torch_decode_bench.py`): before every
+//! call a pass over a 256 MiB buffer evicts the L2 cache (a small KV cache would otherwise be
+//! read from it), and each call is timed alone on the device, between the events of a Burn
+//! profiling window opened after the pass (`device_times`); the median over `--iters`
+//! batches of up to 50 calls is reported (`nan` where the device gives no time). On wgpu the
+//! calls run back to back without clears (lavapipe is a CPU: its rows are a smoke test). The
+//! first call (compilation, autotune) and `--warmup` more are not timed. `burn-builtin` is not
+//! a default: Burn 0.23's `attention` autotunes for minutes per new shape on CUDA.
 //!
 //! `--clear write` (the default) writes the pass, as `do_bench` zeroes its buffer: the call then
 //! finds the L2 cache full of written lines, and its reads write as many back to memory as
 //! they evict (up to the cache's size: about 50 MB on an H100 or H200, ~10 µs at 4.8 TB/s).
 //! `--clear read` only reads it (a sum), leaving the cache cold and clean, as in a model, where
 //! the layers before attention mostly read their weights; the torch script takes the same
-//! flag. Its rows here are not yet sound at short calls: the difference with the sums timed
-//! alone leaves a floor of about 0.08 ms on the H200 (`docs/perf-notes.md`, 2026-12-01), where
-//! the torch script times the call alone.
+//! flag.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use burn::tensor::module::{attention, attention_fallback};
-use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData, s};
+use burn::tensor::{
+    DType, Device, Distribution, Int, ProfileOptions, Tensor, TensorData, TimingMethod, s,
+};
 use burn_flash::{
     FlashAttentionOptions, flash_attention, flash_attention_plan, try_flash_attention_paged,
     try_flash_attention_with_lengths,
@@ -97,7 +97,7 @@ struct Args {
     /// device, else wgpu.
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     backend: Backend,
-    /// Timed samples per row.
+    /// Timed batches per row (each of as many calls as fill 20 ms, at most 50).
     #[arg(long, default_value_t = 20, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     iters: usize,
     /// Untimed calls after the first.
@@ -119,8 +119,8 @@ struct Args {
     #[arg(long)]
     page_size: Option<usize>,
     /// The pass before each timed call on CUDA: `write` leaves the L2 cache full of written
-    /// lines (as `do_bench`'s zeroing), `read` cold and clean (not yet sound at short calls:
-    /// see the header); `scripts/torch_decode_bench.py` takes the same flag.
+    /// lines (as `do_bench`'s zeroing), `read` cold and clean; `scripts/torch_decode_bench.py`
+    /// takes the same flag.
     #[arg(long, value_enum, default_value_t = ClearKind::Write)]
     clear: ClearKind,
 }
@@ -184,15 +184,52 @@ impl Shape {
     }
 }
 
-/// The median time of one call of `imp`, in ms: by difference with the clears where there are
-/// some, else back to back. `NaN` where the difference is not positive.
+/// `samples` calls timed on the device, each after a clearing pass, as `do_bench` times them:
+/// the pass is handed to the device, then the call runs inside a profiling window (device
+/// events, opened and closed by the thread that launches Burn's fused operations, in order with
+/// them). The window opens as the pass ends, by when the host has enqueued the call, so the
+/// call's host work stays out of it unless it outlasts the pass. Windows are resolved after a
+/// sync every 50 calls. `None` where the device has no window (its time would be the host's).
+pub fn device_times(
+    device: &Device,
+    samples: usize,
+    clear: &mut Clear,
+    mut call: impl FnMut() + Send,
+) -> Option<Vec<Duration>> {
+    let mut times = Vec::with_capacity(samples);
+    while times.len() < samples {
+        let windows: Vec<_> = (0..(samples - times.len()).min(50))
+            .map(|_| {
+                clear.run();
+                device.flush().expect("device flush");
+                device
+                    .profile_with(ProfileOptions::default().flush(), &mut call)
+                    .expect("profiling window")
+                    .1
+            })
+            .collect();
+        device.sync().expect("device sync");
+        for window in windows {
+            if window.timing_method() != TimingMethod::Device {
+                return None;
+            }
+            let ticks = cubecl::future::block_on(window.resolve())?;
+            times.push(ticks.duration());
+        }
+    }
+    Some(times)
+}
+
+/// The median time of one call of `imp`, in ms: on the device, each call after a clear
+/// ([`device_times`]) where there are clears, else back to back. `NaN` where the device gives
+/// no time.
 fn time_row(
     device: &Device,
     args: &Args,
     imp: Impl,
     inputs: &[Tensor<4>; 3],
     cached: Option<&Cached>,
-    mut clear: Option<&mut Clear>,
+    clear: Option<&mut Clear>,
 ) -> f64 {
     let call = || {
         let [q, k, v] = inputs.clone();
@@ -205,47 +242,48 @@ fn time_row(
     for _ in 0..args.warmup {
         call();
     }
-    let clearing = clear.is_some();
-    let mut step = |with_call: bool| {
-        if let Some(clear) = clear.as_deref_mut() {
-            clear.run();
+    // As many calls as fill about 20 ms back to back, at most 50, times `--iters`.
+    let once = timed(device, 1, |_| {
+        call();
+    })
+    .0;
+    let batch = ((0.02 / once.as_secs_f64().max(1e-6)) as usize).clamp(1, 50);
+    let launched = burn_flash::testing::forward_launch_time();
+    let (ms, issued) = match clear {
+        Some(clear) => {
+            let times = device_times(device, args.iters * batch, clear, || {
+                call();
+            });
+            let ms = times.map_or(f64::NAN, |mut times| median_ms(&mut times));
+            (ms, None)
         }
-        if with_call {
-            call();
+        None => {
+            let (mut times, mut issued): (Vec<_>, Vec<_>) = (0..args.iters)
+                .map(|_| {
+                    timed(device, batch, |_| {
+                        call();
+                    })
+                })
+                .unzip();
+            (median_ms(&mut times), Some(median_ms(&mut issued)))
         }
     };
-    // As many calls as fill about 20 ms, at most 50.
-    let once = timed(device, 1, |_| step(true)).0;
-    let batch = ((0.02 / once.as_secs_f64().max(1e-6)) as usize).clamp(1, 50);
-    let mut issued = Vec::with_capacity(args.iters);
-    let launched = burn_flash::testing::forward_launch_time();
-    let mut samples: Vec<_> = (0..args.iters)
-        .map(|_| {
-            let (both, issue) = timed(device, batch, |_| step(true));
-            issued.push(issue);
-            let clears = if clearing {
-                timed(device, batch, |_| step(false)).0
-            } else {
-                Duration::ZERO
-            };
-            both.saturating_sub(clears)
-        })
-        .collect();
-    let ms = median_ms(&mut samples);
     // burn-flash's own host work per timed call (planning, allocating, enqueueing; under
     // Burn's fusion on the device's thread), 0 for the other implementations.
     let launch = (burn_flash::testing::forward_launch_time() - launched).as_secs_f64() * 1e3
         / (args.iters * batch) as f64;
     // Where a row's time goes: compiles and autotune in the first call, the rest timing; and
-    // the host's time to issue a step, which bounds the row where it exceeds the device's.
+    // the host's time to issue a call back to back, which bounds the row where it exceeds the
+    // device's.
+    let issued = issued.map_or_else(String::new, |ms| {
+        format!("the host issued a call in {ms:.4} ms, ")
+    });
     eprintln!(
-        "  {}: first call {:.1} s, row {:.1} s; the host issued a step (a call, after its \
-         clear where clearing) in {:.4} ms, burn-flash's launches took {launch:.4} ms a call; \
-         key/value views read in place so far: {}",
+        "  {}: first call {:.1} s, row {:.1} s; {issued}burn-flash's launches took {launch:.4} \
+         ms a call; key/value views read in place so far: {}",
         name(imp),
         first.as_secs_f64(),
         started.elapsed().as_secs_f64(),
-        median_ms(&mut issued),
         burn_flash::testing::views_read_in_place()
     );
     if ms > 0.0 { ms } else { f64::NAN }

@@ -246,7 +246,11 @@ pub fn run(
     options = options.with_alibi(case.alibi);
     let plan = flash_attention_plan(&q, &k, &v, options).unwrap();
     let mut failures = Vec::new();
+    // `flash_attention_plan` sees q, k and v only: on SM90, from 1024 keys, that is the Hopper
+    // forward, which takes the mask and bias where `warpgroup_blocks` allows them and leaves
+    // them to the tensor-core tile otherwise (the tests count its launches).
     let expected = match tile {
+        Some(TilePath::TensorCore) if plan == FlashAttentionPlan::FusedWarpgroup => true,
         Some(tile) => common::plan_is(&plan, &FlashAttentionPlan::Fused(tile)),
         None => matches!(plan, FlashAttentionPlan::Fallback(_)),
     };

@@ -220,8 +220,8 @@ static FORCED_WARPGROUP_INPUTS: AtomicUsize = AtomicUsize::new(0);
 /// While the returned guard lives, forwards with a boolean mask of a row per query or an
 /// additive bias of a row per query (over keys in whole 16 bytes) take the Hopper forward on
 /// warpgroup products wherever it can run (SM90, head dims 64 and 128, plain or causal), as
-/// `BURN_FLASH_WARPGROUP_INPUTS=1` does for a process; by default they take the tensor-core
-/// tile. Guards nest and may live on several threads at once.
+/// `BURN_FLASH_WARPGROUP_INPUTS=1` does for a process; by default biases at head dim 64 take
+/// the tensor-core tile. Guards nest and may live on several threads at once.
 ///
 /// # Example
 ///

@@ -240,9 +240,10 @@ fn warpgroup_override() -> Option<bool> {
     *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP"))
 }
 
-/// `BURN_FLASH_WARPGROUP_INPUTS=1`: boolean masks with a row per query and additive biases
-/// take the Hopper forward where it runs (`WarpgroupConfig::mask`, `WarpgroupConfig::bias`),
-/// for tuning runs; by default they take the tile.
+/// `BURN_FLASH_WARPGROUP_INPUTS=0|1`: boolean masks with a row per query and additive biases
+/// take the tensor-core tile always, or the Hopper forward wherever it runs
+/// (`WarpgroupConfig::mask`, `WarpgroupConfig::bias`; biases at head dim 64 too), for tuning
+/// runs.
 fn warpgroup_inputs_override() -> Option<bool> {
     static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
     *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP_INPUTS"))
@@ -293,8 +294,8 @@ fn warpgroup_pays(blocks: &WarpgroupConfig, problem: &ForwardProblem) -> bool {
 /// The Hopper forward's blocks ([`warpgroup`](super::warpgroup)) where it can run the problem:
 /// the tensor-core tile on a device with warpgroup products (SM90: [`DeviceCaps::wgmma`]),
 /// head dim 64 or 128 for queries and values alike, plain or causal attention over whole
-/// batches of keys, where asked (`BURN_FLASH_WARPGROUP_INPUTS=1`) with a boolean mask of a row
-/// per query and an additive bias of a row per query over keys in whole 16 bytes (no other
+/// batches of keys, with a boolean mask of a row per query and, at head dim 128, an additive
+/// bias of a row per query over keys in whole 16 bytes (no other
 /// mask or bias input, window's left side, softcap, dropout, ALiBi, key lengths, pages, packed
 /// sequences or split keys), on persistent cubes where [`persistent_pays`] and the shared
 /// memory holds them.
@@ -313,19 +314,24 @@ fn warpgroup_blocks(
         ..blocks
     };
     // A boolean mask with a row per query, packed into bits for the warpgroup's blocks, and an
-    // additive bias with a row per query and keys in whole 16 bytes (a tensor map's rows), where
-    // `BURN_FLASH_WARPGROUP_INPUTS=1` or `testing::force_warpgroup_inputs` asks: measured
-    // faster than the tile at head dim 128 (masks at 64 too; `docs/perf-notes.md`, 2026-12-01),
-    // but their path through the API has not yet run in a test on a GPU.
-    let inputs =
+    // additive bias with a row per query and keys in whole 16 bytes (a tensor map's rows).
+    // Measured against the tile on the H200 (`docs/perf-notes.md`, 2026-12-01): masks +12…+28 %
+    // at head dim 128, −2…+23 % at 64; biases +12…+28 % at 128 but 0…14 % slower at 64, where
+    // they stay on the tile unless `BURN_FLASH_WARPGROUP_INPUTS=1` or
+    // `testing::force_warpgroup_inputs` asks.
+    let asked =
         crate::testing::warpgroup_inputs_forced() || warpgroup_inputs_override() == Some(true);
+    let inputs = asked || warpgroup_inputs_override() != Some(false);
     let masked = inputs
         && problem
             .inputs
             .mask
             .is_some_and(|facts| facts.dims[2] == problem.seq_q);
     let bias = problem.inputs.bias.filter(|facts| {
-        inputs && facts.dims[2] == problem.seq_q && problem.seq_k.is_multiple_of(8)
+        inputs
+            && (asked || problem.head_dim == 128)
+            && facts.dims[2] == problem.seq_q
+            && problem.seq_k.is_multiple_of(8)
     });
     let blocks = WarpgroupConfig {
         persistent: persistent_override().unwrap_or_else(|| persistent_pays(&blocks, problem)),
@@ -704,9 +710,9 @@ mod tests {
         );
         let d96 = problem(96, FlashAttentionOptions::new(), ScoreFacts::default());
         assert_eq!(blocks(&caps::h100(), &d96), None);
-        // Masks and biases take the tile unless asked (`BURN_FLASH_WARPGROUP_INPUTS` unset in
-        // tests); asked, masks with a row per query and biases with one and keys in whole 16
-        // bytes take the Hopper forward.
+        // Masks with a row per query and, at head dim 128, biases with one and keys in whole
+        // 16 bytes take the Hopper forward (`BURN_FLASH_WARPGROUP_INPUTS` unset in tests);
+        // biases at 64 only where asked.
         let inputs = |d: usize, mask: Option<[usize; 4]>, bias: Option<[usize; 4]>| {
             let facts = |dims: Option<[usize; 4]>, elem_size| {
                 dims.map(|dims| InputFacts { elem_size, dims })
@@ -719,9 +725,12 @@ mod tests {
         };
         let mask = inputs(128, Some([4, 1, 4096, 4096]), None);
         let bias = inputs(128, None, Some([1, 16, 4096, 4096]));
-        assert_eq!(blocks(&caps::h100(), &mask), None, "a mask, not asked");
-        assert_eq!(blocks(&caps::h100(), &bias), None, "a bias, not asked");
-        let _asked = crate::testing::force_warpgroup_inputs();
+        let bias_64 = inputs(64, None, Some([1, 16, 4096, 4096]));
+        assert_eq!(
+            blocks(&caps::h100(), &bias_64),
+            None,
+            "a bias at 64, not asked"
+        );
         let masked = blocks(&caps::h100(), &mask).expect("a mask with a row per query");
         assert!(masked.mask.0 && !masked.bias.0);
         assert_eq!(
@@ -735,16 +744,17 @@ mod tests {
         let both = inputs(128, Some([4, 1, 4096, 4096]), Some([4, 1, 4096, 4096]));
         let both = blocks(&caps::h100(), &both).expect("a mask and a bias");
         assert!(both.mask.0 && both.bias.0 && both.bias_steps == (true, false));
+        let asked = crate::testing::force_warpgroup_inputs();
         assert!(
-            blocks(&caps::h100(), &inputs(64, None, Some([1, 16, 4096, 4096]))).is_some(),
-            "a bias at head dim 64"
+            blocks(&caps::h100(), &bias_64).is_some(),
+            "a bias at head dim 64, asked"
         );
+        drop(asked);
         assert_eq!(
             blocks(&caps::h100(), &inputs(128, None, Some([1, 16, 1, 4096]))),
             None,
             "a bias of one row for every query"
         );
-        drop(_asked);
         let window = problem(
             64,
             causal.with_window(AttentionWindow::new(Some(256), Some(0))),
