@@ -1197,6 +1197,54 @@ mod cuda {
         }
     }
 
+    /// Dropout on the Hopper forward (SM90, from 1024 keys walked; at head dim 64 over more
+    /// than 2048 keys), the gradients by the backward kernels regenerating the same keep
+    /// decisions: at head dim 128 alone and under a causal mask beside a bias per head, at 64
+    /// with GQA, a random mask and queries and keys ending inside a block. On a GPU without
+    /// warpgroup products the tile runs them.
+    #[test]
+    fn warpgroup_dropout_cuda() {
+        let Some(device) = cuda_device("warpgroup_dropout_cuda") else {
+            return;
+        };
+        let before = burn_flash::testing::warpgroup_forward_launches();
+        check_all(
+            "warpgroup_dropout_cuda",
+            &[
+                Case::new(
+                    Problem::square(1, 2, 1104, 128),
+                    Spec::from(false),
+                    MaskInput::None,
+                    None,
+                )
+                .with_dropout(0.2, 11),
+                Case::new(
+                    Problem::cross(2, 4, 400, 2200, 64).grouped(2),
+                    Spec::from(false),
+                    MaskInput::Full([2, 1, 400, 2200]),
+                    None,
+                )
+                .with_dropout(0.5, 1 << 33),
+                Case::new(
+                    Problem::square(1, 2, 2112, 128),
+                    Spec::from(true),
+                    MaskInput::None,
+                    bias([1, 2, 2112, 2112]),
+                )
+                .with_dropout(0.1, u64::MAX),
+            ],
+            7800,
+        );
+        let hopper = burn_flash::testing::warpgroup_forward_launches() - before;
+        eprintln!("warpgroup_dropout_cuda: {hopper} forwards on warpgroup products");
+        if common::cuda::has_wgmma(&device) {
+            assert!(
+                hopper >= 3,
+                "each case's forward on warpgroup products, not {hopper}"
+            );
+        }
+    }
+
     /// Biases with gradients (full, per head, per key, with `-inf`), with the softcap, GQA, the
     /// atomic-dQ option (a bias gradient keeps the dQ launch) and a mask.
     #[test]

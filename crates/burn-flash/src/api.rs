@@ -38,7 +38,8 @@ pub enum FlashAttentionPlan {
     /// device (H100, H200), 16-bit inputs of head dim 64 or 128, plain or causal attention
     /// (with [`flash_attention_masked`]'s boolean mask of a row per query too, and at head dim
     /// 128 its additive bias of a row per query over keys in whole 16 bytes; other masks and
-    /// biases take the tensor-core tile), each query block walking 1024 keys or more (half the
+    /// biases take the tensor-core tile), with dropout at head dim 128 and at 64 over more than
+    /// 2048 keys, each query block walking 1024 keys or more (half the
     /// keys when causal), where it leads the tensor-core tile (`BURN_FLASH_WARPGROUP=0|1`
     /// overrides the rule). Under autodiff the backward runs on the tensor-core tile.
     FusedWarpgroup,

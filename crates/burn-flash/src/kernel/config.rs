@@ -263,6 +263,9 @@ pub struct WarpgroupConfig {
     /// Batches before heads in the cubes' order, so that the cubes running at once read one
     /// head's bias shared by the batch ([`grid::batch_inner`](super::grid::batch_inner)).
     pub batch_inner: bool,
+    /// Dropout zeroes the probabilities its generator ([`dropout`](super::dropout)) drops
+    /// before the values' product, after the softmax statistics saw them.
+    pub dropout: Switch,
 }
 
 impl WarpgroupConfig {
@@ -283,6 +286,7 @@ impl WarpgroupConfig {
             bias: Switch(false),
             bias_steps: (false, false),
             batch_inner: false,
+            dropout: Switch(false),
         }
     }
 

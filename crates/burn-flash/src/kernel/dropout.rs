@@ -66,13 +66,28 @@ impl Dropout {
     /// The generator of a call with `heads` query heads over `seq_k` keys; `threshold` in
     /// `1..=256`.
     pub fn new(seed_lo: u32, seed_hi: u32, threshold: u32, heads: usize, seq_k: usize) -> Dropout {
+        let scale = 256.0 / f32::cast_from(threshold);
+        Dropout::with_scale(seed_lo, seed_hi, threshold, scale, heads, seq_k)
+    }
+
+    /// [`Dropout::new`] with the factor of kept probabilities given (`2⁸ / threshold`), for a
+    /// kernel that must not divide (the Hopper forward: see
+    /// [`reciprocal`](super::softmax::reciprocal)).
+    pub fn with_scale(
+        seed_lo: u32,
+        seed_hi: u32,
+        threshold: u32,
+        scale: f32,
+        heads: usize,
+        seq_k: usize,
+    ) -> Dropout {
         Dropout {
             seed_lo,
             seed_hi,
             threshold_top: threshold << 24u32,
             heads,
             groups_per_row: u32::cast_from(seq_k.div_ceil(16) * 4),
-            scale: 256.0 / f32::cast_from(threshold),
+            scale,
         }
     }
 
@@ -133,4 +148,40 @@ pub fn keep_mask<E: Float, T: AttentionTile<E>>(
         }
     }
     keep
+}
+
+/// The probabilities of the warpgroup forward's unit (`unit` of its warpgroup's 128) that
+/// dropout keeps, the others zeroed: register `f` of `p` packs two 16-bit probabilities of row
+/// `row + 8 · (f % 2)`, keys `key_start + 8⌊f / 2⌋ + 2 · (unit % 4)` and the next
+/// ([`fragment_position`](super::tile::wgmma::fragment_position)), so registers `4u + h` and
+/// `4u + 2 + h` hold one group of a row (`key_start` a multiple of 16): one hash each, its
+/// four bytes in key order, each hash zeroing a half-word where its byte is not kept.
+#[cube]
+pub fn keep_probabilities(
+    p: Vector<u32, Const<32>>,
+    dropout: &Dropout,
+    head_key: u32,
+    row: usize,
+    unit: usize,
+    key_start: usize,
+) -> Vector<u32, Const<32>> {
+    let mut kept = p;
+    let group = u32::cast_from(key_start / 4 + unit % 4) + head_key;
+    #[unroll]
+    for h in 0..2usize {
+        let base = u32::cast_from(row + h * 8) * dropout.groups_per_row + group;
+        #[unroll]
+        for u in 0..8usize {
+            let word = mix(base + comptime!(4 * u as u32));
+            #[unroll]
+            for half in 0..2usize {
+                let f = comptime!(4 * u + 2 * half + h);
+                let low = (word << comptime!(24 - 16 * half as u32)) < dropout.threshold_top;
+                let high = (word << comptime!(16 - 16 * half as u32)) < dropout.threshold_top;
+                let halves = select(low, 0xFFFFu32, 0u32) | select(high, 0xFFFF_0000u32, 0u32);
+                kept.insert(f, kept.extract(f) & halves);
+            }
+        }
+    }
+    kept
 }

@@ -249,6 +249,14 @@ fn warpgroup_inputs_override() -> Option<bool> {
     *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP_INPUTS"))
 }
 
+/// `BURN_FLASH_WARPGROUP_DROPOUT=0|1`: dropout on the tensor-core tile always, or on the
+/// Hopper forward wherever it runs (at head dim 64 over 2048 keys or fewer too), for tuning
+/// runs.
+fn warpgroup_dropout_override() -> Option<bool> {
+    static OVERRIDE: OnceLock<Option<bool>> = OnceLock::new();
+    *OVERRIDE.get_or_init(|| flag_override("BURN_FLASH_WARPGROUP_DROPOUT"))
+}
+
 /// `BURN_FLASH_WARPGROUP_PERSISTENT=0|1`: the Hopper forward's cubes one a query block or
 /// persistent (one an SM, walking query blocks in a loop) whatever the mask, for tuning runs.
 fn persistent_override() -> Option<bool> {
@@ -294,9 +302,10 @@ fn warpgroup_pays(blocks: &WarpgroupConfig, problem: &ForwardProblem) -> bool {
 /// The Hopper forward's blocks ([`warpgroup`](super::warpgroup)) where it can run the problem:
 /// the tensor-core tile on a device with warpgroup products (SM90: [`DeviceCaps::wgmma`]),
 /// head dim 64 or 128 for queries and values alike, plain or causal attention over whole
-/// batches of keys, with a boolean mask of a row per query and, at head dim 128, an additive
-/// bias of a row per query over keys in whole 16 bytes (no other
-/// mask or bias input, window's left side, softcap, dropout, ALiBi, key lengths, pages, packed
+/// batches of keys, with a boolean mask of a row per query, at head dim 128 an additive
+/// bias of a row per query over keys in whole 16 bytes, and dropout (at head dim 64 over more
+/// than 2048 keys) (no other
+/// mask or bias input, window's left side, softcap, ALiBi, key lengths, pages, packed
 /// sequences or split keys), on persistent cubes where [`persistent_pays`] and the shared
 /// memory holds them.
 /// `BURN_FLASH_WARPGROUPS=2|3` overrides its warpgroups for tuning runs.
@@ -333,9 +342,14 @@ fn warpgroup_blocks(
             && facts.dims[2] == problem.seq_q
             && problem.seq_k.is_multiple_of(8)
     });
+    // Dropout: measured against the tile on the H200 (`docs/perf-notes.md`, 2026-12-01):
+    // +19…+39 % at head dim 128; at 64 +5…+14 % over 8k keys but −6 % causal over 2k.
+    let dropout = params.dropout.is_some()
+        && warpgroup_dropout_override().unwrap_or(problem.head_dim == 128 || problem.seq_k > 2048);
     let blocks = WarpgroupConfig {
         persistent: persistent_override().unwrap_or_else(|| persistent_pays(&blocks, problem)),
         mask: Switch(masked),
+        dropout: Switch(dropout),
         bias: Switch(bias.is_some()),
         bias_steps: bias.map_or((false, false), |facts| {
             (facts.dims[0] != 1, facts.dims[1] != 1)
@@ -356,6 +370,7 @@ fn warpgroup_blocks(
             ..params.mask
         },
         bias: false,
+        dropout: params.dropout.filter(|_| !dropout),
         ..*params
     };
     let runs = caps.wgmma
@@ -762,7 +777,20 @@ mod tests {
         );
         assert_eq!(blocks(&caps::h100(), &window), None);
         let dropout = problem(64, causal.with_dropout(0.1, 7), ScoreFacts::default());
-        assert_eq!(blocks(&caps::h100(), &dropout), None);
+        let dropped = blocks(&caps::h100(), &dropout).expect("dropout over 4096 keys");
+        assert!(dropped.dropout.0 && dropped.causal);
+        let short = ForwardProblem {
+            seq_q: 2048,
+            seq_k: 2048,
+            ..dropout
+        };
+        assert_eq!(
+            blocks(&caps::h100(), &short),
+            None,
+            "dropout at 64 over 2048 keys: the tile"
+        );
+        let softcap = problem(64, causal.with_softcap(30.0), ScoreFacts::default());
+        assert_eq!(blocks(&caps::h100(), &softcap), None);
         let lengths = ForwardProblem {
             key_lengths: true,
             ..plain

@@ -52,6 +52,7 @@ pub fn forward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>,
             kv_tma_aligned: k.tma_aligned() && v.tma_aligned(),
         },
     )?;
+    let (seed_lo, seed_hi, threshold) = params.dropout_args();
     #[cfg(feature = "cuda")]
     if let Some(warpgroup) = plan.warpgroup {
         use super::warpgroup::{cube_count, cube_dim, tensor_map, warpgroup_forward};
@@ -97,6 +98,9 @@ pub fn forward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>,
                 params.scale,
                 0,
                 f32::NEG_INFINITY,
+                seed_lo,
+                seed_hi,
+                threshold,
                 warpgroup,
                 dtype,
             ),
@@ -107,7 +111,6 @@ pub fn forward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>,
     let cube_count = cube_count(&cfg, seq, heads, batch, 1);
     let address = Placeholder::address_type(&[&q, &k, &v, &out]);
     let dtypes = [dtype, inputs.mask_dtype(), U32];
-    let (seed_lo, seed_hi, threshold) = params.dropout_args();
 
     macro_rules! planned {
         ($tile:ty) => {

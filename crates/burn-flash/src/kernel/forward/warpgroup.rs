@@ -15,9 +15,10 @@
 //! whose start and end would otherwise idle it. Plain and causal attention (any diagonal
 //! offset), head dims 64 and 128, 16-bit inputs, with a boolean mask packed into bits
 //! (`cfg.mask`: each query block walks only the key blocks its mask lets it see, and a warp
-//! whose rows a block hides nothing from skips the test) and an additive bias (`cfg.bias`: the
-//! producer copies each key block's bias beside its keys and values); every other feature
-//! takes the tensor-core tile.
+//! whose rows a block hides nothing from skips the test), an additive bias (`cfg.bias`: the
+//! producer copies each key block's bias beside its keys and values) and dropout
+//! (`cfg.dropout`: the tile's generator, one hash per four probabilities of a row); every
+//! other feature takes the tensor-core tile.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -25,6 +26,7 @@ use cubecl::prelude::*;
 use cubecl::zspace::Shape;
 
 use crate::kernel::config::{ScoreParams, TilePath, WarpgroupConfig};
+use crate::kernel::dropout::{Dropout, keep_probabilities};
 use crate::kernel::inputs::{broadcast, hidden_row, visible_range};
 use crate::kernel::pack::PackedMask;
 use crate::kernel::softmax::{exp2, reciprocal};
@@ -117,6 +119,12 @@ pub(crate) fn launch_cubes(
         "a packed mask exactly where planned"
     );
     assert_eq!(cfg.bias.0, bias.is_some(), "a bias exactly where planned");
+    assert_eq!(
+        cfg.dropout.0,
+        params.dropout.is_some(),
+        "dropout exactly where planned"
+    );
+    let (seed_lo, seed_hi, threshold) = params.dropout_args();
     if let Some(bias) = bias {
         let dims = bias.meta.shape();
         assert!(
@@ -153,6 +161,9 @@ pub(crate) fn launch_cubes(
             params.scale * core::f32::consts::LOG2_E,
             diagonal_bound(params, seq_q, seq_k),
             f32::NEG_INFINITY,
+            seed_lo,
+            seed_hi,
+            threshold,
             cfg,
             q.dtype,
         )
@@ -229,6 +240,9 @@ pub fn warpgroup_forward<E: Float, O: Size>(
     scale: f32,
     bound: i32,
     neg_inf: f32,
+    dropout_seed_lo: u32,
+    dropout_seed_hi: u32,
+    dropout_threshold: u32,
     #[comptime] cfg: WarpgroupConfig,
     #[define(E)] _dtype: ElemType,
 ) {
@@ -239,6 +253,14 @@ pub fn warpgroup_forward<E: Float, O: Size>(
     let q_len = comptime!(block_q * d);
     let seq_q = out.shape(2);
     let seq_k = seq_k as usize;
+    let dropout = Dropout::with_scale(
+        dropout_seed_lo,
+        dropout_seed_hi,
+        dropout_threshold,
+        256.0 * reciprocal(f32::cast_from(dropout_threshold)),
+        out.shape(1),
+        seq_k,
+    );
 
     let mut queries =
         Shared::<[E]>::new_aligned_slice(comptime!(cfg.query_slots() * q_len), 1024usize);
@@ -347,6 +369,7 @@ pub fn warpgroup_forward<E: Float, O: Size>(
                     lse,
                     mask_words,
                     &biases,
+                    &dropout,
                     batch,
                     head,
                     q_start,
@@ -422,8 +445,8 @@ pub fn warpgroup_forward<E: Float, O: Size>(
             queries_full.wait_parity(0);
             attend_rows::<E, O>(
                 0usize, first, end, 0u64, &queries, &keys, &values, &full, &empty, out, lse,
-                mask_words, &biases, batch, head, q_start, seq_q, seq_k, scale, bound, neg_inf,
-                cfg,
+                mask_words, &biases, &dropout, batch, head, q_start, seq_q, seq_k, scale, bound,
+                neg_inf, cfg,
             );
         }
     }
@@ -584,6 +607,7 @@ fn attend_rows<E: Float, O: Size>(
     lse: &mut Tensor<f32>,
     mask_words: ComptimeOption<&Tensor<u32>>,
     biases: &ComptimeOption<Shared<[E]>>,
+    dropout: &Dropout,
     batch: usize,
     head: usize,
     q_start: usize,
@@ -610,6 +634,7 @@ fn attend_rows<E: Float, O: Size>(
     let keys_desc = descriptor::<E>(keys);
     let values_desc = descriptor_across_rows::<E>(values, comptime!((block_kv * 128) as u64));
     let stage_units = comptime!((block_kv * d * 2 / 16) as u64);
+    let head_key = dropout.head_key(batch, head);
 
     let mut o = Vector::<f32, O>::new(0.0);
     let mut row_max = Array::<f32>::new(2usize);
@@ -667,7 +692,10 @@ fn attend_rows<E: Float, O: Size>(
         if let ComptimeOption::Some(stages) = biases {
             s = add_bias::<E>(s, stages, stage, scale, cfg);
         }
-        let p = online_softmax::<E, O>(&s, scale, &mut o, &mut row_max, &mut row_sum, neg_inf);
+        let mut p = online_softmax::<E, O>(&s, scale, &mut o, &mut row_max, &mut row_sum, neg_inf);
+        if comptime!(cfg.dropout.0) {
+            p = keep_probabilities(p, dropout, head_key, row, unit, key_start);
+        }
         o = product_pv::<O, Const<32>>(o, p, values_desc + stage_offset, block_kv, d, cfg.bf16);
         wait_products();
         if stage == 0 {
@@ -677,8 +705,10 @@ fn attend_rows<E: Float, O: Size>(
         }
     }
 
+    // Kept probabilities are scaled up once, with the rows' normaliser.
+    let out_scale = select(comptime!(cfg.dropout.0), dropout.scale, 1.0f32);
     write_rows::<E, O>(
-        &o, &row_max, &row_sum, out, lse, batch, head, row, seq_q, scale, neg_inf,
+        &o, &row_max, &row_sum, out, lse, batch, head, row, seq_q, scale, out_scale, neg_inf,
     );
 }
 
@@ -1026,8 +1056,9 @@ fn online_softmax<E: Float, O: Size>(
     p
 }
 
-/// The unit's output values (`o` over each row's sum, 0 where the row saw no key) and, from
-/// one lane of each row's four, its log-sum-exp (natural log), rows past `seq_q` left.
+/// The unit's output values (`o` over each row's sum, times `out_scale`; 0 where the row saw
+/// no key) and, from one lane of each row's four, its log-sum-exp (natural log), rows past
+/// `seq_q` left.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn write_rows<E: Float, O: Size>(
@@ -1041,6 +1072,7 @@ fn write_rows<E: Float, O: Size>(
     row: usize,
     seq_q: usize,
     scale: f32,
+    out_scale: f32,
     neg_inf: f32,
 ) {
     let unit = UNIT_POS as usize % 128;
@@ -1052,7 +1084,7 @@ fn write_rows<E: Float, O: Size>(
         let pair = part + plane_shuffle_xor(part, 1);
         let sum = pair + plane_shuffle_xor(pair, 2);
         let seen = sum > 0.0;
-        inverse[h] = select(seen, reciprocal(sum), 0.0f32);
+        inverse[h] = select(seen, reciprocal(sum) * out_scale, 0.0f32);
         row_lse[h] = select(
             seen,
             row_max[h] * scale * core::f32::consts::LN_2 + sum.ln(),
