@@ -1150,12 +1150,13 @@ mod cuda {
         );
     }
 
-    /// Masks and biases on the Hopper forward through the API (forced: by default they take the
-    /// tile), over a thousand keys and more so that the plan takes it, with their gradients by
-    /// the backward kernels from its output and log-sum-exp: a random mask and a bias per head
-    /// at head dim 128, documents under a causal mask at 64, and a bias for every batch with a
-    /// causal mask at 128 (its cubes batch-inner). On a GPU without warpgroup products the
-    /// tile runs them.
+    /// Masks and biases on the Hopper forward through the API (forced, for the bias at head
+    /// dim 64 the plan leaves to the tile), over a thousand keys and more so that the plan
+    /// takes it, with their gradients by the backward kernels from its output and log-sum-exp:
+    /// a random mask and a bias per head at head dim 128, documents under a causal mask at 64,
+    /// a bias for every batch with a causal mask at 128 (its cubes batch-inner), and key
+    /// padding (none, a third, every key) at 128. On a GPU without warpgroup products the tile
+    /// runs them.
     #[test]
     fn warpgroup_inputs_cuda() {
         let Some(device) = cuda_device("warpgroup_inputs_cuda") else {
@@ -1184,6 +1185,12 @@ mod cuda {
                     MaskInput::None,
                     bias([1, 2, 2112, 2112]),
                 ),
+                Case::new(
+                    Problem::square(3, 2, 1104, 128),
+                    Spec::from(false),
+                    MaskInput::KeyPadding,
+                    None,
+                ),
             ],
             7700,
         );
@@ -1191,7 +1198,7 @@ mod cuda {
         eprintln!("warpgroup_inputs_cuda: {hopper} forwards on warpgroup products");
         if common::cuda::has_wgmma(&device) {
             assert!(
-                hopper >= 3,
+                hopper >= 4,
                 "each case's forward on warpgroup products, not {hopper}"
             );
         }

@@ -36,12 +36,12 @@ pub enum FlashAttentionPlan {
     Fused(TilePath),
     /// The fused Hopper forward runs, on warpgroup products (`wgmma`): a CUDA build on an SM90
     /// device (H100, H200), 16-bit inputs of head dim 64 or 128, plain or causal attention
-    /// (with [`flash_attention_masked`]'s boolean mask of a row per query too, and at head dim
-    /// 128 its additive bias of a row per query over keys in whole 16 bytes; other masks and
-    /// biases take the tensor-core tile), with dropout at head dim 128 and at 64 over more than
-    /// 2048 keys, each query block walking 1024 keys or more (half the
-    /// keys when causal), where it leads the tensor-core tile (`BURN_FLASH_WARPGROUP=0|1`
-    /// overrides the rule). Under autodiff the backward runs on the tensor-core tile.
+    /// (with [`flash_attention_masked`]'s key padding or boolean mask of a row per query too,
+    /// and at head dim 128 its additive bias of a row per query over keys in whole 16 bytes;
+    /// other masks and biases take the tensor-core tile), with dropout at head dim 128 and at 64
+    /// over more than 2048 keys, each query block walking 1024 keys or more (half the keys when
+    /// causal), where it leads the tensor-core tile (`BURN_FLASH_WARPGROUP=0|1` overrides the
+    /// rule). Under autodiff the backward runs on the tensor-core tile.
     FusedWarpgroup,
     /// The fused kernel runs with this tile on inputs whose head dims it is not built for,
     /// zero-padded to `head_dim` (queries and keys) and `value_dim` (values): the scores and

@@ -252,6 +252,10 @@ pub struct WarpgroupConfig {
     /// and [`BLOCK_KV`](Self::BLOCK_KV) keys ([`pack`](super::pack)), hides keys: each query
     /// block walks only the key blocks from the first its mask lets it see to the last.
     pub mask: Switch,
+    /// The mask has one row of keys for every query (key padding, `[b|1, h|1, 1, sk]`): packed
+    /// as that one row, its words and wholly hidden blocks are read at row 0 for every query
+    /// block.
+    pub key_mask: bool,
     /// An additive bias input (`[b|1, h|1, sq, sk]`, the inputs' dtype, rows of whole 16
     /// bytes) is added to the scores: the producer copies each key block's bias for the query
     /// block with its keys and values (a tensor map's boxes, as the queries'), into two stages
@@ -283,6 +287,7 @@ impl WarpgroupConfig {
             bf16,
             persistent: false,
             mask: Switch(false),
+            key_mask: false,
             bias: Switch(false),
             bias_steps: (false, false),
             batch_inner: false,

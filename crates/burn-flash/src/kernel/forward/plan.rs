@@ -302,7 +302,8 @@ fn warpgroup_pays(blocks: &WarpgroupConfig, problem: &ForwardProblem) -> bool {
 /// The Hopper forward's blocks ([`warpgroup`](super::warpgroup)) where it can run the problem:
 /// the tensor-core tile on a device with warpgroup products (SM90: [`DeviceCaps::wgmma`]),
 /// head dim 64 or 128 for queries and values alike, plain or causal attention over whole
-/// batches of keys, with a boolean mask of a row per query, at head dim 128 an additive
+/// batches of keys, with a boolean mask of a row per query or one for every query, at head
+/// dim 128 an additive
 /// bias of a row per query over keys in whole 16 bytes, and dropout (at head dim 64 over more
 /// than 2048 keys) (no other
 /// mask or bias input, window's left side, softcap, ALiBi, key lengths, pages, packed
@@ -322,8 +323,9 @@ fn warpgroup_blocks(
         warpgroups: warpgroups.unwrap_or(blocks.warpgroups),
         ..blocks
     };
-    // A boolean mask with a row per query, packed into bits for the warpgroup's blocks, and an
-    // additive bias with a row per query and keys in whole 16 bytes (a tensor map's rows).
+    // A boolean mask with a row per query or one for every query (key padding), packed into
+    // bits for the warpgroup's blocks, and an additive bias with a row per query and keys in
+    // whole 16 bytes (a tensor map's rows).
     // Measured against the tile on the H200 (`docs/perf-notes.md`, 2026-12-01): masks +12…+28 %
     // at head dim 128, −2…+23 % at 64; biases +12…+28 % at 128 but 0…14 % slower at 64, where
     // they stay on the tile unless `BURN_FLASH_WARPGROUP_INPUTS=1` or
@@ -331,11 +333,8 @@ fn warpgroup_blocks(
     let asked =
         crate::testing::warpgroup_inputs_forced() || warpgroup_inputs_override() == Some(true);
     let inputs = asked || warpgroup_inputs_override() != Some(false);
-    let masked = inputs
-        && problem
-            .inputs
-            .mask
-            .is_some_and(|facts| facts.dims[2] == problem.seq_q);
+    let mask_rows = problem.inputs.mask.map(|facts| facts.dims[2]);
+    let masked = inputs && mask_rows.is_some_and(|rows| rows == problem.seq_q || rows == 1);
     let bias = problem.inputs.bias.filter(|facts| {
         inputs
             && (asked || problem.head_dim == 128)
@@ -349,6 +348,7 @@ fn warpgroup_blocks(
     let blocks = WarpgroupConfig {
         persistent: persistent_override().unwrap_or_else(|| persistent_pays(&blocks, problem)),
         mask: Switch(masked),
+        key_mask: masked && mask_rows == Some(1),
         dropout: Switch(dropout),
         bias: Switch(bias.is_some()),
         bias_steps: bias.map_or((false, false), |facts| {
@@ -747,11 +747,14 @@ mod tests {
             "a bias at 64, not asked"
         );
         let masked = blocks(&caps::h100(), &mask).expect("a mask with a row per query");
-        assert!(masked.mask.0 && !masked.bias.0);
+        assert!(masked.mask.0 && !masked.key_mask && !masked.bias.0);
+        let keys = blocks(&caps::h100(), &inputs(64, Some([4, 1, 1, 4096]), None))
+            .expect("a mask of one row for every query");
+        assert!(keys.mask.0 && keys.key_mask);
         assert_eq!(
-            blocks(&caps::h100(), &inputs(64, Some([4, 1, 1, 4096]), None)),
+            blocks(&caps::h100(), &inputs(64, Some([4, 1, 2048, 4096]), None)),
             None,
-            "a mask of one row for every query"
+            "a mask of half the queries' rows"
         );
         let biased = blocks(&caps::h100(), &bias).expect("a bias");
         assert!(biased.bias.0 && biased.bias_steps == (false, true) && !biased.persistent);

@@ -14,7 +14,8 @@
 //! while the current block's last products run and its rows are written: an SM holds one cube,
 //! whose start and end would otherwise idle it. Plain and causal attention (any diagonal
 //! offset), head dims 64 and 128, 16-bit inputs, with a boolean mask packed into bits
-//! (`cfg.mask`: each query block walks only the key blocks its mask lets it see, and a warp
+//! (`cfg.mask`, a row per query or, `cfg.key_mask`, one for every query: each query block
+//! walks only the key blocks its mask lets it see, and a warp
 //! whose rows a block hides nothing from skips the test), an additive bias (`cfg.bias`: the
 //! producer copies each key block's bias beside its keys and values) and dropout
 //! (`cfg.dropout`: the tile's generator, one hash per four probabilities of a row); every
@@ -672,7 +673,7 @@ fn attend_rows<E: Float, O: Size>(
         );
         #[comptime]
         if let ComptimeOption::Some(mask_words) = mask_words {
-            words = mask_rows(mask_words, batch, head, block, row);
+            words = mask_rows(mask_words, batch, head, block, row, cfg.key_mask);
         }
         wait_products();
         // Only the blocks that cross the sequence's end or a diagonal of the warpgroup's
@@ -921,7 +922,8 @@ fn add_bias<E: Float>(
 
 /// The packed mask `words` of key block `block` for the unit's rows (`row` and 8 below), 4
 /// words a row of 128 keys, bit `j % 32` of word `j / 32` for key `j`
-/// ([`pack`](crate::kernel::pack): `[b|1, h|1, blocks, rows · 4]`).
+/// ([`pack`](crate::kernel::pack): `[b|1, h|1, blocks, rows · 4]`); with `key_mask`, the
+/// mask's one row for both.
 #[cube]
 fn mask_rows(
     words: &Tensor<u32>,
@@ -929,17 +931,27 @@ fn mask_rows(
     head: usize,
     block: usize,
     row: usize,
+    #[comptime] key_mask: bool,
 ) -> (Vector<u32, Const<4>>, Vector<u32, Const<4>>) {
-    let at = broadcast::<u32>(words, batch, head).base + block * words.stride(2) + row * 4;
-    let upper = words
+    let rows = broadcast::<u32>(words, batch, head).base + block * words.stride(2);
+    if comptime!(key_mask) {
+        let keys = row_words(words, rows);
+        (keys, keys)
+    } else {
+        (
+            row_words(words, rows + row * 4),
+            row_words(words, rows + row * 4 + 32),
+        )
+    }
+}
+
+/// The 4 words of a packed row from `at`, in one load.
+#[cube]
+fn row_words(words: &Tensor<u32>, at: usize) -> Vector<u32, Const<4>> {
+    words
         .slice(at, at + 4)
         .as_vectorized()
-        .with_vector_size::<Const<4>>()[0];
-    let lower = words
-        .slice(at + 32, at + 36)
-        .as_vectorized()
-        .with_vector_size::<Const<4>>()[0];
-    (upper, lower)
+        .with_vector_size::<Const<4>>()[0]
 }
 
 /// The scores `s` with the keys the unit's rows' mask words ([`mask_rows`]) hide at `-inf`. A
@@ -986,12 +998,13 @@ fn visible_blocks(
     end: usize,
     #[comptime] cfg: WarpgroupConfig,
 ) -> (usize, usize) {
-    let row = hidden_row(
-        hidden_blocks,
-        batch,
-        head,
+    // A key mask is packed as one query block, every query block's.
+    let q_block = select(
+        comptime!(cfg.key_mask),
+        0usize,
         q_start / comptime!(cfg.block_q()),
     );
+    let row = hidden_row(hidden_blocks, batch, head, q_block);
     let (first, end) = visible_range(hidden_blocks, row, 0usize, end);
     // A query block that sees no key has an empty range, `first` past `end`.
     (min(first, end), end)

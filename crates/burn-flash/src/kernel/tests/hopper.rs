@@ -469,6 +469,7 @@ fn check_inputs(
     let cfg = WarpgroupConfig {
         persistent: resident.is_some(),
         mask: Switch(case.mask.is_some()),
+        key_mask: case.mask.is_some_and(|dims| dims[2] == 1),
         bias: Switch(case.bias.is_some()),
         bias_steps: case
             .bias
@@ -478,7 +479,8 @@ fn check_inputs(
     };
     let mask = inputs.mask.as_ref().map(|values| {
         let mask = KernelTensor::from_values(client, values, case.mask.unwrap());
-        pack_mask(&mask, cfg.block_q(), WarpgroupConfig::BLOCK_KV)
+        let rows = if cfg.key_mask { 1 } else { cfg.block_q() };
+        pack_mask(&mask, rows, WarpgroupConfig::BLOCK_KV)
     });
     // The bias rounded to the inputs' dtype, as the reference then reads it.
     let bias = inputs
@@ -572,9 +574,10 @@ fn persistent_warpgroup_forward_matches_the_reference_cuda() {
 }
 
 /// A boolean mask on the Hopper forward (packed into bits): random masks (about a third of the
-/// pairs hidden, some broadcast over batches or heads), causal with rows that see no key, and
-/// document masks, whose query blocks walk only the key blocks from the first they see, on one
-/// cube a block and on persistent cubes.
+/// pairs hidden, some broadcast over batches or heads), causal with rows that see no key,
+/// document masks, whose query blocks walk only the key blocks from the first they see, and key
+/// masks (one row for every query: random and padding), on one cube a block and on persistent
+/// cubes.
 #[test]
 fn masked_warpgroup_forward_matches_the_reference_cuda() {
     let Some(client) = hopper_or_skip("masked_warpgroup_forward_matches_the_reference_cuda") else {
@@ -624,6 +627,36 @@ fn masked_warpgroup_forward_matches_the_reference_cuda() {
                     let (i, j) = (at / sk % sq, at % sk);
                     u32::from(i / 300 != j / 300)
                 })
+                .collect(),
+        );
+        check_inputs(&client, case, inputs, n == 0, *resident);
+    }
+    // Key masks (a row of keys for every query): random, per batch or per head; and padding,
+    // batch `b`'s last `150 b + 100` keys hidden (whole key blocks past its first ones).
+    let keys = [
+        (Case::new(2, 3, 300, 420, 64).mask([2, 1, 1, 420]), None),
+        (
+            Case::new(2, 4, 400, 520, 128)
+                .kv_heads(2)
+                .causal()
+                .mask([1, 4, 1, 520]),
+            Some(3),
+        ),
+    ];
+    for (n, (case, resident)) in keys.iter().enumerate() {
+        let inputs = Inputs::draw(case, 5500 + n as u64);
+        check_inputs(&client, case, inputs, true, *resident);
+    }
+    let padded = [
+        (Case::new(2, 2, 300, 700, 128).mask([2, 1, 1, 700]), None),
+        (Case::new(2, 3, 640, 640, 64).mask([2, 1, 1, 640]), Some(4)),
+    ];
+    for (n, (case, resident)) in padded.iter().enumerate() {
+        let mut inputs = Inputs::draw(case, 5600 + n as u64);
+        let sk = case.seq_k;
+        inputs.mask = Some(
+            (0..2 * sk)
+                .map(|at| u32::from(at % sk >= sk - (150 * (at / sk) + 100)))
                 .collect(),
         );
         check_inputs(&client, case, inputs, n == 0, *resident);
