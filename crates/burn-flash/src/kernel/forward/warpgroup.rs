@@ -15,11 +15,10 @@
 //! whose start and end would otherwise idle it. Plain and causal attention (any diagonal
 //! offset), head dims 64 and 128, 16-bit inputs, with a boolean mask packed into bits
 //! (`cfg.mask`, a row per query or, `cfg.key_mask`, one for every query: each query block
-//! walks only the key blocks its mask lets it see, and a warp
-//! whose rows a block hides nothing from skips the test), an additive bias (`cfg.bias`: the
-//! producer copies each key block's bias beside its keys and values) and dropout
-//! (`cfg.dropout`: the tile's generator, one hash per four probabilities of a row); every
-//! other feature takes the tensor-core tile.
+//! walks only the key blocks its mask lets it see, and a warp whose rows a block hides nothing
+//! from skips the test), an additive bias (`cfg.bias`: the producer copies each key block's
+//! bias beside its keys and values) and dropout (`cfg.dropout`: the tile's generator, one hash
+//! per four probabilities of a row); every other feature takes the tensor-core tile.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
