@@ -190,7 +190,7 @@ impl Shape {
 /// them). The window opens as the pass ends, by when the host has enqueued the call, so the
 /// call's host work stays out of it unless it outlasts the pass. Windows are resolved after a
 /// sync every 50 calls. `None` where the device has no window (its time would be the host's).
-pub fn device_times(
+fn device_times(
     device: &Device,
     samples: usize,
     clear: &mut Clear,
@@ -233,7 +233,7 @@ fn time_row(
 ) -> f64 {
     let call = || {
         let [q, k, v] = inputs.clone();
-        decode(imp, q, k, v, cached.cloned())
+        decode(imp, q, k, v, cached.cloned());
     };
     let started = Instant::now();
     call();
@@ -243,27 +243,18 @@ fn time_row(
         call();
     }
     // As many calls as fill about 20 ms back to back, at most 50, times `--iters`.
-    let once = timed(device, 1, |_| {
-        call();
-    })
-    .0;
+    let once = timed(device, 1, |_| call()).0;
     let batch = ((0.02 / once.as_secs_f64().max(1e-6)) as usize).clamp(1, 50);
     let launched = burn_flash::testing::forward_launch_time();
     let (ms, issued) = match clear {
         Some(clear) => {
-            let times = device_times(device, args.iters * batch, clear, || {
-                call();
-            });
+            let times = device_times(device, args.iters * batch, clear, call);
             let ms = times.map_or(f64::NAN, |mut times| median_ms(&mut times));
             (ms, None)
         }
         None => {
             let (mut times, mut issued): (Vec<_>, Vec<_>) = (0..args.iters)
-                .map(|_| {
-                    timed(device, batch, |_| {
-                        call();
-                    })
-                })
+                .map(|_| timed(device, batch, |_| call()))
                 .unzip();
             (median_ms(&mut times), Some(median_ms(&mut issued)))
         }

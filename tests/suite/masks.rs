@@ -1150,9 +1150,9 @@ mod cuda {
         );
     }
 
-    /// Masks and biases on the Hopper forward through the API (forced, for the bias at head
-    /// dim 64 the plan leaves to the tile), over a thousand keys and more so that the plan
-    /// takes it, with their gradients by the backward kernels from its output and log-sum-exp:
+    /// Masks and biases on the Hopper forward through the API, as the plan takes them by
+    /// default, over a thousand keys and more so that it takes the Hopper forward, with their
+    /// gradients by the backward kernels from its output and log-sum-exp:
     /// a random mask and a bias per head at head dim 128, documents under a causal mask at 64,
     /// a bias for every batch with a causal mask at 128 (its cubes batch-inner), and key
     /// padding (none, a third, every key) at 128. On a GPU without warpgroup products the tile
@@ -1162,7 +1162,6 @@ mod cuda {
         let Some(device) = cuda_device("warpgroup_inputs_cuda") else {
             return;
         };
-        let _hopper = burn_flash::testing::force_warpgroup_inputs();
         let before = burn_flash::testing::warpgroup_forward_launches();
         check_all(
             "warpgroup_inputs_cuda",

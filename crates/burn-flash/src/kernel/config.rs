@@ -314,6 +314,13 @@ impl WarpgroupConfig {
         (rows * self.head_dim + 2 * self.bias_stage_len()) * 2 + TMA_ALIGN + 64
     }
 
+    /// Query rows the mask is packed for ([`pack`](super::pack)): a query block's, or with
+    /// [`key_mask`](Self::key_mask) its one row.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn mask_rows(&self) -> usize {
+        if self.key_mask { 1 } else { self.block_q() }
+    }
+
     /// Elements of one bias stage: the query block's rows over a key block's keys (none
     /// without a bias).
     pub fn bias_stage_len(&self) -> usize {
@@ -883,6 +890,7 @@ impl TileConfig {
     }
 
     /// Rows of a staged mask block: one where the mask is the same for every query.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn mask_rows(&self) -> usize {
         if self.mask.per_key { 1 } else { self.block_q }
     }

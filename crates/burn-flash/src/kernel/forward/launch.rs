@@ -234,15 +234,7 @@ fn launch(
             .mask
             .as_ref()
             .filter(|_| warpgroup.mask.0)
-            .map(|mask| {
-                // A key mask's one row packs as a query block of one row.
-                let rows = if warpgroup.key_mask {
-                    1
-                } else {
-                    warpgroup.block_q()
-                };
-                pack_mask(mask, rows, WarpgroupConfig::BLOCK_KV)
-            });
+            .map(|mask| pack_mask(mask, warpgroup.mask_rows(), WarpgroupConfig::BLOCK_KV));
         let bias = inputs.bias.as_ref().filter(|_| warpgroup.bias.0);
         crate::testing::record_warpgroup_forward();
         super::warpgroup::launch(

@@ -303,13 +303,11 @@ fn warpgroup_pays(blocks: &WarpgroupConfig, problem: &ForwardProblem) -> bool {
 /// the tensor-core tile on a device with warpgroup products (SM90: [`DeviceCaps::wgmma`]),
 /// head dim 64 or 128 for queries and values alike, plain or causal attention over whole
 /// batches of keys, with a boolean mask of a row per query or one for every query, at head
-/// dim 128 an additive
-/// bias of a row per query over keys in whole 16 bytes, and dropout (at head dim 64 over more
-/// than 2048 keys) (no other
-/// mask or bias input, window's left side, softcap, ALiBi, key lengths, pages, packed
-/// sequences or split keys), on persistent cubes where [`persistent_pays`] and the shared
-/// memory holds them.
-/// `BURN_FLASH_WARPGROUPS=2|3` overrides its warpgroups for tuning runs.
+/// dim 128 an additive bias of a row per query over keys in whole 16 bytes, and dropout (at
+/// head dim 64 over more than 2048 keys); no other mask or bias input, window's left side,
+/// softcap, ALiBi, key lengths, pages, packed sequences or split keys. On persistent cubes
+/// where [`persistent_pays`] and the shared memory holds them. `BURN_FLASH_WARPGROUPS=2|3`
+/// overrides its warpgroups for tuning runs.
 fn warpgroup_blocks(
     caps: &DeviceCaps,
     cfg: &TileConfig,

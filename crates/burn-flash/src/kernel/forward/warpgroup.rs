@@ -86,7 +86,7 @@ pub(crate) fn launch(
 
 /// [`launch`] with `resident` persistent cubes (all the query blocks' where `None`); a
 /// one-block-a-cube `cfg` ignores it. With `cfg.mask`, `mask` is the boolean mask packed for
-/// the blocks of `cfg` (`pack_mask(mask, cfg.block_q(), BLOCK_KV)`); with `cfg.bias`, `bias`
+/// the blocks of `cfg` (`pack_mask(mask, cfg.mask_rows(), BLOCK_KV)`); with `cfg.bias`, `bias`
 /// (`[b|1, h|1, sq, sk]`, contiguous, `sk` a multiple of 8) is added to the scores.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_cubes(

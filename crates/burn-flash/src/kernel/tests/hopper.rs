@@ -479,8 +479,7 @@ fn check_inputs(
     };
     let mask = inputs.mask.as_ref().map(|values| {
         let mask = KernelTensor::from_values(client, values, case.mask.unwrap());
-        let rows = if cfg.key_mask { 1 } else { cfg.block_q() };
-        pack_mask(&mask, rows, WarpgroupConfig::BLOCK_KV)
+        pack_mask(&mask, cfg.mask_rows(), WarpgroupConfig::BLOCK_KV)
     });
     // The bias rounded to the inputs' dtype, as the reference then reads it.
     let bias = inputs
