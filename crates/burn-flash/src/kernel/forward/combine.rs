@@ -2,16 +2,26 @@
 //! a row left `o_s`, normalised over its keys, and `lse_s`; the row's log-sum-exp is
 //! `lse = log Σ_s exp(lse_s)` and its output `Σ_s exp(lse_s − lse) · o_s`. A split that saw no
 //! key has `lse_s = −inf` and weighs nothing; a row no split saw keeps output 0 and `−inf`.
+//!
+//! The merge sits on a decoding step's critical path, after a launch of a few µs: one cube per
+//! row, its planes taking the splits between them, so that every partial load of the row is in
+//! flight at once (one round trip to L2) and the exponentials are taken once per split rather
+//! than once per output element.
 
 use cubecl::prelude::*;
 
 use crate::kernel::tensors::{F32, KernelTensor};
 
-/// One unit per output element (`out`, `[b, h, sq, dv]`, contiguous) from the partial outputs
-/// and log-sum-exps of the `splits` splits, head `split · h + head` of `partial_out` and
-/// `partial_lse`. The split count is comptime so that both loops unroll: every split's load is
-/// in flight at once rather than one L2 round trip per split (the merge sits on a decoding
-/// step's critical path).
+/// Units per plane of the merge: a plane's lanes take consecutive columns.
+const LANES: usize = 32;
+/// Most planes of one merge cube; each takes `splits / planes` of the splits.
+const MOST_PLANES: usize = 8;
+
+/// One cube per output row (`CUBE_POS` = (row, head, batch) of `out`, `[b, h, sq, dv]`,
+/// contiguous), `planes` planes of [`LANES`] units: plane `p` sums splits `p, p + planes, …`
+/// over columns `lane + LANES · j`, `j < cols` (`cols · LANES ≥ dv`), from head
+/// `split · h + head` of `partial_out` and `partial_lse`. Split count and columns are comptime
+/// so that the loads unroll.
 #[cube(launch_unchecked, address_type = "dynamic")]
 fn combine_splits<E: Float>(
     partial_out: &Tensor<E>,
@@ -20,47 +30,111 @@ fn combine_splits<E: Float>(
     lse: &mut Tensor<f32>,
     neg_inf: f32,
     #[comptime] splits: usize,
+    #[comptime] planes: usize,
+    #[comptime] cols: usize,
     #[define(E)] _dtype: ElemType,
 ) {
-    if ABSOLUTE_POS >= out.len() {
-        terminate!();
-    }
-    let (heads, seq, dim) = (out.shape(1), out.shape(2), out.shape(3));
-    let col = ABSOLUTE_POS % dim;
-    let row = (ABSOLUTE_POS / dim) % seq;
-    let head = (ABSOLUTE_POS / (dim * seq)) % heads;
-    let batch = ABSOLUTE_POS / (dim * seq * heads);
+    let (row, head, batch) = (
+        CUBE_POS_X as usize,
+        CUBE_POS_Y as usize,
+        CUBE_POS_Z as usize,
+    );
+    let (lane, plane) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
+    let unit = plane * LANES + lane;
+    let heads = out.shape(1);
+    let dim = out.shape(3);
     let lse_row =
         batch * partial_lse.stride(0) + head * partial_lse.stride(1) + row * partial_lse.stride(2);
     let lse_step = heads * partial_lse.stride(1);
-    let out_at = batch * partial_out.stride(0)
-        + head * partial_out.stride(1)
-        + row * partial_out.stride(2)
-        + col * partial_out.stride(3);
+    let out_row =
+        batch * partial_out.stride(0) + head * partial_out.stride(1) + row * partial_out.stride(2);
     let out_step = heads * partial_out.stride(1);
+    let col_step = partial_out.stride(3);
+    let per_plane = comptime!(splits / planes);
 
-    let mut max = neg_inf;
+    // Every load of the cube issued before any is used: the splits' log-sum-exps into shared
+    // memory, this unit's partial outputs into registers (0 past the row's width).
+    let units = comptime!(planes * LANES);
+    let mut weights = Shared::<[f32]>::new_slice(splits);
+    #[unroll]
+    for round in 0..comptime!(splits.div_ceil(units)) {
+        let split = unit + round * units;
+        if split < splits {
+            weights[split] = partial_lse[lse_row + split * lse_step];
+        }
+    }
+    let mut parts = Array::<f32>::new(comptime!(per_plane * cols));
+    #[unroll]
+    for i in 0..per_plane {
+        let split = plane + i * planes;
+        #[unroll]
+        for j in 0..cols {
+            let col = lane + j * LANES;
+            let at = out_row + split * out_step + col * col_step;
+            parts[i * cols + j] = select(
+                col < dim,
+                f32::cast_from(partial_out[select(col < dim, at, out_row)]),
+                0.0,
+            );
+        }
+    }
+    sync_cube();
+
+    let mut top = neg_inf;
     #[unroll]
     for split in 0..splits {
-        let part = partial_lse[lse_row + split * lse_step];
-        max = select(part > max, part, max);
+        top = max(top, weights[split]);
     }
-    // A row no split saw (`max = -inf`) weighs every split 0 instead of NaN.
-    let seen = max > neg_inf;
-    let shift = select(seen, max, 0.0);
-    let mut sum = 0.0f32;
-    let mut acc = 0.0f32;
+    // A row no split saw (`top = -inf`) weighs every split 0 instead of NaN.
+    let seen = top > neg_inf;
+    let shift = select(seen, top, 0.0);
+    sync_cube();
     #[unroll]
-    for split in 0..splits {
-        let weight = (partial_lse[lse_row + split * lse_step] - shift).exp();
-        sum += weight;
-        acc += weight * f32::cast_from(partial_out[out_at + split * out_step]);
+    for round in 0..comptime!(splits.div_ceil(units)) {
+        let split = unit + round * units;
+        if split < splits {
+            weights[split] = (weights[split] - shift).exp();
+        }
     }
-    // `sum >= 1` where a split saw a key: the largest weight is exp(0).
-    out[ABSOLUTE_POS] = E::cast_from(select(seen, acc / select(seen, sum, 1.0), 0.0));
-    if col == 0 {
-        let at = batch * lse.stride(0) + head * lse.stride(1) + row * lse.stride(2);
-        lse[at] = select(seen, max + select(seen, sum, 1.0).ln(), neg_inf);
+    sync_cube();
+
+    let mut sums = Shared::<[f32]>::new_slice(comptime!(planes * cols * LANES));
+    #[unroll]
+    for j in 0..cols {
+        let mut acc = 0.0f32;
+        #[unroll]
+        for i in 0..per_plane {
+            acc += weights[plane + i * planes] * parts[i * cols + j];
+        }
+        sums[(plane * cols + j) * LANES + lane] = acc;
+    }
+    sync_cube();
+
+    if plane == 0 {
+        let mut sum = 0.0f32;
+        #[unroll]
+        for split in 0..splits {
+            sum += weights[split];
+        }
+        // `sum >= 1` where a split saw a key: the largest weight is exp(0).
+        let inverse = select(seen, 1.0 / select(seen, sum, 1.0), 0.0);
+        let out_at = ((batch * heads + head) * out.shape(2) + row) * dim;
+        #[unroll]
+        for j in 0..cols {
+            let col = lane + j * LANES;
+            let mut acc = 0.0f32;
+            #[unroll]
+            for p in 0..planes {
+                acc += sums[(p * cols + j) * LANES + lane];
+            }
+            if col < dim {
+                out[out_at + col] = E::cast_from(acc * inverse);
+            }
+        }
+        if lane == 0 {
+            let at = batch * lse.stride(0) + head * lse.stride(1) + row * lse.stride(2);
+            lse[at] = select(seen, top + select(seen, sum, 1.0).ln(), neg_inf);
+        }
     }
 }
 
@@ -74,19 +148,24 @@ pub fn combine(
     lse: &KernelTensor,
 ) {
     assert_eq!(partial_lse.dtype, F32);
-    let units = out.meta.num_elements();
+    let dims = out.meta.shape().clone();
+    if out.meta.num_elements() == 0 {
+        return;
+    }
     let client = &out.client;
-    let cube_dim = CubeDim::new(client, units);
-    let cube_count = cubecl::calculate_cube_count_elemwise(client, units, cube_dim);
     let address = crate::kernel::tensors::address_type(&[partial_out, partial_lse, out, lse]);
-    let splits = partial_lse.meta.shape()[1] / out.meta.shape()[1];
-    // SAFETY: one unit per output element, guarded by the output's length; every other index is
-    // bounded by the partial tensors' shapes, `splits · h` heads of the same (b, sq, dv).
+    let splits = partial_lse.meta.shape()[1] / dims[1];
+    // A power of two that divides the splits (the plan's splits are powers of two).
+    let planes = (1 << splits.trailing_zeros()).min(MOST_PLANES);
+    let cols = dims[3].div_ceil(LANES);
+    // SAFETY: one cube per output row, within `out`'s (sq, h, b); partial loads are at heads
+    // `split · h + head` below `splits · h` and columns below `dv` (clamped to column 0 past
+    // it), shared memory is indexed below `splits` and `planes · cols · LANES`.
     unsafe {
         combine_splits::launch_unchecked(
             client,
-            cube_count,
-            cube_dim,
+            CubeCount::Static(dims[2] as u32, dims[1] as u32, dims[0] as u32),
+            CubeDim::new_2d(LANES as u32, planes as u32),
             address,
             partial_out.clone().into_tensor_arg(),
             partial_lse.clone().into_tensor_arg(),
@@ -94,6 +173,8 @@ pub fn combine(
             lse.clone().into_tensor_arg(),
             f32::NEG_INFINITY,
             splits,
+            planes,
+            cols,
             out.dtype,
         );
     }

@@ -123,7 +123,7 @@ fn decoding_rows_match_the_reference() {
 
 /// Keys split across cubes and merged by their log-sum-exps: decoding rows, several row blocks,
 /// causal rows that see no key, windows, masks and biases, more splits than key blocks (empty
-/// splits).
+/// splits), split counts that are not powers of two.
 #[test]
 fn split_keys_match_the_reference() {
     let cases = [
@@ -137,6 +137,8 @@ fn split_keys_match_the_reference() {
         ),
         (Case::new(1, 2, 70, 45, 32).causal(), 2),
         (Case::new(1, 1, 9, 20, 32), 7),
+        // More splits than one merge cube has units: its lanes load the splits in rounds.
+        (Case::new(1, 2, 1, 700, 32).causal(), 37),
         (
             Case::new(1, 2, 37, 130, 64).options(
                 FlashAttentionOptions::causal().with_window(AttentionWindow::new(Some(40), None)),
