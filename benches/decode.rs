@@ -28,20 +28,22 @@
 //! caches. Shapes whose cache would exceed `--max-cache-gib` are skipped.
 //!
 //! Method on CUDA, as PyTorch's `do_bench` (and `scripts/torch_decode_bench.py`): before every
-//! call a pass over a 256 MiB buffer evicts the L2 cache (a small KV cache would otherwise be
-//! read from it), and each call is timed alone on the device, between the events of a Burn
-//! profiling window opened after the pass (`device_times`); the median over `--iters`
-//! batches of up to 50 calls is reported (`nan` where the device gives no time). On wgpu the
+//! call a pass over a buffer evicts the L2 cache (a small KV cache would otherwise be read from
+//! it), and each call is timed alone on the device, between the events of a Burn profiling
+//! window opened after the pass (`device_times`); the median over `--iters` batches of up to
+//! 50 calls is reported (`nan` where the device gives no time). On wgpu the
 //! calls run back to back without clears (lavapipe is a CPU: its rows are a smoke test). The
 //! first call (compilation, autotune) and `--warmup` more are not timed. `burn-builtin` is not
 //! a default: Burn 0.23's `attention` autotunes for minutes per new shape on CUDA.
 //!
-//! `--clear write` (the default) writes the pass, as `do_bench` zeroes its buffer: the call then
-//! finds the L2 cache full of written lines, and its reads write as many back to memory as
-//! they evict (up to the cache's size: about 50 MB on an H100 or H200, ~10 µs at 4.8 TB/s).
-//! `--clear read` only reads it (a sum), leaving the cache cold and clean, as in a model, where
-//! the layers before attention mostly read their weights; the torch script takes the same
-//! flag.
+//! `--clear write` (the default) writes the pass, as `do_bench` zeroes its 256 MB (here 128 MiB
+//! reversed): the call then finds the L2 cache full of written lines, and its reads write as
+//! many back to memory as they evict (up to the cache's size: about 50 MB on an H100 or H200,
+//! ~10 µs at 4.8 TB/s).
+//! `--clear read` only reads a buffer (a sum of 1 GiB), leaving the cache cold and clean, as in a
+//! model, where the layers before attention mostly read their weights; the torch script takes
+//! the same flag and the same pass. The pass is long so that the call's host work, enqueued
+//! while the pass runs, stays out of the timing window of either program.
 
 mod common;
 

@@ -66,8 +66,11 @@ pub enum ClearKind {
     /// card holds), as PyTorch's `do_bench` zeroes 256 MB: the cache is left full of written
     /// lines, which the timed call's own reads write back to memory as they evict them.
     Write,
-    /// 256 MiB of `f32` summed (read only): the cache is left cold and clean, as in a model,
-    /// where the layers before attention mostly read their weights.
+    /// 1 GiB of `f32` summed (read only): the cache is left cold and clean, as in a model,
+    /// where the layers before attention mostly read their weights. A quarter of that would
+    /// evict the cache as well; the pass is long (~0.25 ms on an H200) so that a call's host
+    /// work, enqueued while it runs, stays out of the call's timing window: on a slow host the
+    /// 256 MiB pass (60 µs) let 25–40 µs of launches a call into short decoding rows.
     Read,
 }
 
@@ -88,7 +91,7 @@ impl Clear {
         match kind {
             ClearKind::Write => Self::Write(Tensor::zeros([32 << 20], device)),
             ClearKind::Read => Self::Read {
-                buffer: Tensor::zeros([64 << 20], device),
+                buffer: Tensor::zeros([256 << 20], device),
                 sums: Tensor::zeros([1], device),
             },
         }
