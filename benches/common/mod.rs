@@ -70,7 +70,7 @@ pub enum ClearKind {
     /// where the layers before attention mostly read their weights. A quarter of that would
     /// evict the cache as well; the pass is long (~0.25 ms on an H200) so that a call's host
     /// work, enqueued while it runs, stays out of the call's timing window: on a slow host the
-    /// 256 MiB pass (60 µs) let 25–40 µs of launches a call into short decoding rows.
+    /// 256 MiB pass (60 µs) let 22–41 µs of launches a call into short decoding rows.
     Read,
 }
 
