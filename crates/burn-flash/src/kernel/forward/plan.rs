@@ -472,11 +472,13 @@ const SHORT_QUERY_ROWS: usize = 16;
 /// the row blocks are few since the merge's loads are unrolled ([`combine`](super::combine)):
 /// 4 row blocks over 4k keys took 0.0149 ms split 64 ways, 0.0164 split 16 ways (H200,
 /// 2026-11-30).
-/// `BURN_FLASH_KV_SPLITS=N` decides instead (tuning runs).
+/// `BURN_FLASH_KV_SPLITS=N` (any count up to [`MAX_SPLITS`]) decides instead (tuning runs).
 fn kv_splits(caps: &DeviceCaps, cfg: &TileConfig, problem: &ForwardProblem) -> usize {
     static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
-    let forced = *OVERRIDE
-        .get_or_init(|| choice_override("BURN_FLASH_KV_SPLITS", &[1, 2, 4, 8, 16, 32, 64]));
+    let forced = *OVERRIDE.get_or_init(|| {
+        let counts: Vec<usize> = (1..=MAX_SPLITS).collect();
+        choice_override("BURN_FLASH_KV_SPLITS", &counts)
+    });
     if problem.varlen {
         // The partial outputs' merge reads whole `[b, h, sq]` rows, not packed ones.
         return 1;
