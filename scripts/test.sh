@@ -10,8 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # llvmpipe (lavapipe's compiler) without LLVM's optimisation passes: they are about a fifth of a
-# cold kernel compile, and the tests' shapes are small enough that the slower kernels do not
-# show (docs/guarantees.md, "The test suite"). Only Mesa's CPU drivers read it; a value already
+# cold kernel compile, and at the tests' small shapes the slower kernels cost less than that
+# saves (docs/guarantees.md, "The test suite"). Only Mesa's CPU drivers read it; a value already
 # in the environment wins.
 export GALLIVM_PERF=${GALLIVM_PERF-nopt}
 
