@@ -49,13 +49,80 @@ pub fn block_and_split(splits: usize, #[comptime] cfg: TileConfig) -> (usize, us
     (x / splits, x % splits)
 }
 
-/// Split `split`'s share of the key blocks `[first, end)` of `splits`: consecutive runs of one
-/// length, the last ones shorter or empty.
+/// The key blocks a cube walks: `first`, `first + step`, … below `end`.
+#[derive(CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
+pub struct BlockWalk {
+    pub first: usize,
+    pub end: usize,
+    pub step: usize,
+}
+
 #[cube]
-pub fn split_blocks(first: usize, end: usize, split: usize, splits: usize) -> (usize, usize) {
-    let per = (end - first).div_ceil(splits);
-    let start = min(first + split * per, end);
-    (start, min(start + per, end))
+impl BlockWalk {
+    /// Every block of `[first, end)`.
+    pub fn all(first: usize, end: usize) -> BlockWalk {
+        BlockWalk {
+            first,
+            end,
+            step: 1usize,
+        }
+    }
+
+    /// Split `split`'s share of the blocks of `[first, end)` among `splits`. `strided`: every
+    /// `splits`-th block from `first + split` (shares one block apart in length at most), so
+    /// that a row block's splits read neighbouring blocks at the same time (dense caches:
+    /// 1.5–2.3 % faster than runs on four decoding shapes of the H200, within 0.3 % on the
+    /// others). Else consecutive runs, the last ones shorter or empty (paged caches, where a
+    /// run's blocks share pages: strided, two rows at 16k keys ran 7 % slower).
+    pub fn split(
+        first: usize,
+        end: usize,
+        split: usize,
+        splits: usize,
+        #[comptime] strided: bool,
+    ) -> BlockWalk {
+        if comptime!(strided) {
+            BlockWalk {
+                first: first + split,
+                end,
+                step: splits,
+            }
+        } else {
+            let per = (end - first).div_ceil(splits);
+            let start = min(first + split * per, end);
+            BlockWalk {
+                first: start,
+                end: min(start + per, end),
+                step: 1usize,
+            }
+        }
+    }
+
+    /// How many blocks the walk visits.
+    pub fn count(&self) -> usize {
+        select(
+            self.first < self.end,
+            (self.end - min(self.first, self.end)).div_ceil(self.step),
+            0usize,
+        )
+    }
+
+    /// The walk's `i`-th block.
+    pub fn block(&self, i: usize) -> usize {
+        self.first + i * self.step
+    }
+
+    /// The walk's last block, or where it visits none, the last block before `end` (0 when
+    /// `end` is 0): the index reads ahead are clamped to, in range either way.
+    pub fn last(&self) -> usize {
+        let count = self.count();
+        select(
+            count > 0,
+            self.first + (max(count, 1) - 1) * self.step,
+            max(self.end, 1) - 1,
+        )
+    }
 }
 
 /// The cubes of a launch over `rows` rows per (batch, head) in blocks of `cfg.block_q`, each

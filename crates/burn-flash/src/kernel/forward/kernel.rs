@@ -17,7 +17,7 @@ use super::pages::{BlockRows, block_page, block_rows, key_capacity};
 use crate::kernel::band::{Band, kv_blocks};
 use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TileConfig, TilePath};
 use crate::kernel::dropout::{Dropout, keep_mask};
-use crate::kernel::grid::{batch_and_head, block_and_split, row_block, split_blocks};
+use crate::kernel::grid::{BlockWalk, batch_and_head, block_and_split, row_block};
 use crate::kernel::inputs::{
     Views, add_bias, alibi_slope, block_visible, fetch_bias, fetch_inputs, hidden_row, hide_packed,
     input_stages, packed_block, visible_range,
@@ -162,10 +162,16 @@ pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
         (first, end)
     };
     let (first, end) = visible_range(hidden_blocks, coords.hidden_row, first, end);
-    let (first, end) = if comptime!(cfg.kv_split.0) {
-        split_blocks(first, end, split, out.shape(1) / q.shape(1))
+    let walk = if comptime!(cfg.kv_split.0) {
+        BlockWalk::split(
+            first,
+            end,
+            split,
+            out.shape(1) / q.shape(1),
+            comptime!(!cfg.paged.0),
+        )
     } else {
-        (first, end)
+        BlockWalk::all(first, end)
     };
     let mut stats = init_stats(neg_inf, cfg);
     let mut acc = Array::<f32>::new(cfg.out_regs());
@@ -186,8 +192,7 @@ pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
             bias,
             block_table,
             coords,
-            first,
-            end,
+            walk,
             scale,
             &mut stats,
             &mut acc,
@@ -202,8 +207,7 @@ pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
             bias,
             block_table,
             coords,
-            first,
-            end,
+            walk,
             scale,
             &mut stats,
             &mut acc,
@@ -364,12 +368,12 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     );
 }
 
-/// Blocks `[first, end)` through two shared-memory stages filled by asynchronous copies (K and V
-/// by `k_map` and `v_map` with `cfg.tma`): block
-/// `j + 1` (with its staged mask and bias blocks) is in flight while block `j` is computed. The
-/// query block loads while the first KV block is in flight; it is returned for the epilogue.
-/// Blocks a packed mask hides wholly from the query block are neither fetched nor computed;
-/// their iterations only keep the stages' barriers in step.
+/// The blocks of `walk` through two shared-memory stages filled by asynchronous copies (K and
+/// V by `k_map` and `v_map` with `cfg.tma`): the walk's next block (with its staged mask and
+/// bias blocks) is in flight while one is computed. The query block loads while the first KV
+/// block is in flight; it is returned for the epilogue. Blocks a packed mask hides wholly from
+/// the query block are neither fetched nor computed; their iterations only keep the stages'
+/// barriers in step.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
@@ -383,8 +387,7 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     bias: ComptimeOption<&Tensor<E>>,
     block_table: ComptimeOption<&Tensor<I>>,
     coords: Coords,
-    first: usize,
-    end: usize,
+    walk: BlockWalk,
     scale: f32,
     stats: &mut RowStats,
     acc: &mut Array<f32>,
@@ -393,8 +396,11 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     // A packed mask's block flags and a paged block's table entry are read an iteration before
     // the one that fetches the block (the first block's entry before the stages are set up),
     // so that a load lands behind a block's products, not in front of the next fetch. Reads
-    // are clamped into the range (the kernel's `&&` evaluates both sides).
-    let last = max(end, 1) - 1;
+    // are clamped into the walk (the kernel's `&&` evaluates both sides).
+    let count = walk.count();
+    let last = walk.last();
+    let first = walk.first;
+    let step = walk.step;
     let page_first = page_of::<E, I>(block_table, k, coords, min(first, last), cfg);
     let stage_align = comptime!(if cfg.tma { TMA_ALIGN } else { SMEM_ALIGN });
     let mut keys = Shared::<[E]>::new_aligned_slice(
@@ -421,8 +427,8 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     sync_cube();
 
     let row = coords.hidden_row;
-    let mut visible = first < end && block_visible(hidden_blocks, row, min(first, last));
-    let mut visible_next = block_visible(hidden_blocks, row, min(first + 1, last));
+    let mut visible = count > 0 && block_visible(hidden_blocks, row, min(first, last));
+    let mut visible_next = block_visible(hidden_blocks, row, min(first + step, last));
     if visible {
         fetch_block::<E, M>(
             k,
@@ -443,10 +449,11 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
             cfg,
         );
     }
-    let mut page_next = page_of::<E, I>(block_table, k, coords, min(first + 1, last), cfg);
+    let mut page_next = page_of::<E, I>(block_table, k, coords, min(first + step, last), cfg);
     let query = T::load_query(q, coords.q_base, coords.q_start, coords.band.seq_q, cfg);
-    for block in first..end {
-        let stage = (block - first) % 2;
+    for i in 0..count {
+        let block = walk.block(i);
+        let stage = i % 2;
         barriers.wait(stage);
         if comptime!(cfg.tma && (cfg.key_lengths.0 || cfg.varlen.0)) {
             zero_value_tail::<E>(
@@ -457,7 +464,7 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
                 cfg,
             );
         }
-        let visible_after = block_visible(hidden_blocks, row, min(block + 2, last));
+        let visible_after = block_visible(hidden_blocks, row, min(block + 2 * step, last));
         // Every unit is past the previous block: a single-stage bias may be refilled. Its
         // copies are issued before the next block's, which its barrier must not wait for.
         if visible {
@@ -470,7 +477,7 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
                 cfg,
             );
         }
-        if block + 1 < end && visible_next {
+        if i + 1 < count && visible_next {
             fetch_block::<E, M>(
                 k,
                 v,
@@ -483,14 +490,14 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
                 &mut values,
                 &mut mask_stages,
                 &mut bias_stages,
-                rows_of::<E, I>(block_table, k, v, coords, page_next, block + 1, cfg),
-                block + 1,
+                rows_of::<E, I>(block_table, k, v, coords, page_next, block + step, cfg),
+                block + step,
                 1 - stage,
                 &barriers,
                 cfg,
             );
         }
-        page_next = page_of::<E, I>(block_table, k, coords, min(block + 2, last), cfg);
+        page_next = page_of::<E, I>(block_table, k, coords, min(block + 2 * step, last), cfg);
         if visible {
             attend_block::<E, M, T>(
                 &query,
@@ -693,7 +700,7 @@ fn single_bias_barrier(#[comptime] cfg: TileConfig) -> ComptimeOption<Shared<Bar
     }
 }
 
-/// Blocks `[first, end)` through one shared-memory stage filled by plain loads, the cube
+/// The blocks of `walk` through one shared-memory stage filled by plain loads, the cube
 /// synchronised around it; the query rows are returned for the epilogue.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -705,8 +712,7 @@ fn kv_loop<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     bias: ComptimeOption<&Tensor<E>>,
     block_table: ComptimeOption<&Tensor<I>>,
     coords: Coords,
-    first: usize,
-    end: usize,
+    walk: BlockWalk,
     scale: f32,
     stats: &mut RowStats,
     acc: &mut Array<f32>,
@@ -716,7 +722,8 @@ fn kv_loop<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     let bias_factor = T::staged_factor(coords.inv_scale, cfg);
     let mut keys = Shared::<[E]>::new_slice(cfg.block_kv * cfg.head_dim);
     let mut values = Shared::<[E]>::new_slice(cfg.block_kv * cfg.value_dim);
-    for block in first..end {
+    for i in 0..walk.count() {
+        let block = walk.block(i);
         let first_row = block * cfg.block_kv;
         let page = page_of::<E, I>(block_table, k, coords, block, cfg);
         let rows = rows_of::<E, I>(block_table, k, v, coords, page, block, cfg);
