@@ -13,7 +13,7 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::pages::{BlockRows, block_page, block_rows, key_capacity};
+use super::pages::{BlockRows, PageDims, block_page, block_rows, key_capacity};
 use crate::kernel::band::{Band, kv_blocks};
 use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TileConfig, TilePath};
 use crate::kernel::dropout::{Dropout, keep_mask};
@@ -39,6 +39,8 @@ struct Coords {
     batch: usize,
     /// The first key row of the sequence in its tensors (packed sequences; else 0).
     k_row: usize,
+    /// A paged cache's dims.
+    pages: PageDims,
     /// The key/value head this query head reads (GQA).
     kv_head: usize,
     q_base: usize,
@@ -79,6 +81,7 @@ pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     bias: ComptimeOption<&Tensor<E>>,
     key_lengths: ComptimeOption<&Tensor<I>>,
     block_table: ComptimeOption<&Tensor<I>>,
+    pages: PageDims,
     starts: ComptimeOption<&Tensor<u32>>,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
@@ -103,7 +106,7 @@ pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     };
     let band = Band::new(
         q.shape(2),
-        key_capacity(k, block_table),
+        key_capacity(k, block_table, pages),
         band_left,
         band_right,
     )
@@ -126,6 +129,7 @@ pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     let coords = Coords {
         batch,
         k_row,
+        pages,
         kv_head,
         q_base: batch * q.stride(0) + head * q.stride(1) + q_row * q.stride(2),
         k_base: batch * k.stride(0) + kv_head * k.stride(1),
@@ -401,7 +405,7 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     let last = walk.last();
     let first = walk.first;
     let step = walk.step;
-    let page_first = page_of::<E, I>(block_table, k, coords, min(first, last), cfg);
+    let page_first = page_of::<I>(block_table, coords, min(first, last), cfg);
     let stage_align = comptime!(if cfg.tma { TMA_ALIGN } else { SMEM_ALIGN });
     let mut keys = Shared::<[E]>::new_aligned_slice(
         comptime!(2 * cfg.block_kv * cfg.head_stride()),
@@ -449,7 +453,7 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
             cfg,
         );
     }
-    let mut page_next = page_of::<E, I>(block_table, k, coords, min(first + step, last), cfg);
+    let mut page_next = page_of::<I>(block_table, coords, min(first + step, last), cfg);
     let query = T::load_query(q, coords.q_base, coords.q_start, coords.band.seq_q, cfg);
     for i in 0..count {
         let block = walk.block(i);
@@ -497,7 +501,7 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
                 cfg,
             );
         }
-        page_next = page_of::<E, I>(block_table, k, coords, min(block + 2 * step, last), cfg);
+        page_next = page_of::<I>(block_table, coords, min(block + 2 * step, last), cfg);
         if visible {
             attend_block::<E, M, T>(
                 &query,
@@ -622,16 +626,15 @@ fn fetch_block<E: Float, M: Int>(
 
 /// The page KV block `block` of the cube's sequence lies in ([`block_page`]).
 #[cube]
-fn page_of<E: Float, I: Int>(
+fn page_of<I: Int>(
     block_table: ComptimeOption<&Tensor<I>>,
-    k: &Tensor<E>,
     coords: Coords,
     block: usize,
     #[comptime] cfg: TileConfig,
 ) -> usize {
-    block_page::<E, I>(
+    block_page::<I>(
         block_table,
-        k,
+        coords.pages,
         coords.batch,
         block * cfg.block_kv,
         coords.band.seq_k,
@@ -651,6 +654,7 @@ fn rows_of<E: Float, I: Int>(
 ) -> BlockRows {
     block_rows::<E, I>(
         block_table,
+        coords.pages,
         k,
         v,
         page,
@@ -725,7 +729,7 @@ fn kv_loop<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     for i in 0..walk.count() {
         let block = walk.block(i);
         let first_row = block * cfg.block_kv;
-        let page = page_of::<E, I>(block_table, k, coords, block, cfg);
+        let page = page_of::<I>(block_table, coords, block, cfg);
         let rows = rows_of::<E, I>(block_table, k, v, coords, page, block, cfg);
         sync_cube();
         load_block::<E>(

@@ -9,6 +9,7 @@ use cubecl::zspace::Shape;
 
 use super::combine::combine;
 use super::kernel::flash_forward;
+use super::pages::PageDimsLaunch;
 use super::plan::{ForwardPlan, ForwardProblem};
 use crate::kernel::config::{MaskConfig, ScoreParams, TilePath};
 use crate::kernel::device::DeviceCaps;
@@ -279,6 +280,12 @@ fn launch(
         crate::testing::record_tma_launch();
     }
     let (k_map, v_map) = (stage_map(&k, &cfg), stage_map(&v, &cfg));
+    // A paged cache's page size, page count and entries per sequence (read only with a table).
+    let pages = PageDimsLaunch::new(
+        k.meta.shape()[2],
+        k.meta.shape()[0],
+        cached.as_ref().map_or(1, CachedKeys::pages_per_sequence),
+    );
     let cube_dim = cube_dim(&cfg);
     let cube_count = cube_count(&cfg, seq_q, heads, batch, splits);
     // Keys and values staged by tensor maps are never indexed by the kernel (the copy engine
@@ -330,6 +337,7 @@ fn launch(
                         .and_then(|c| c.block_table)
                         .map(KernelTensor::into_tensor_arg)
                         .into(),
+                    pages,
                     packed.map(|p| p.starts.into_tensor_arg()).into(),
                     kernel_out.clone().into_tensor_arg(),
                     kernel_lse.clone().into_tensor_arg(),

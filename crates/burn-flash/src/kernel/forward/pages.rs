@@ -34,29 +34,46 @@ impl BlockRows {
     }
 }
 
+/// A paged cache's dims, passed as launch scalars (unused without a block table). CubeCL
+/// reads a tensor's shape and strides from a metadata buffer in global memory: read from there,
+/// a block's page waited for two loads in turn (the dims, then the table), and a decoding
+/// cube's first copy behind them. Scalars sit in the launch's constant bank.
+#[derive(CubeLaunch, CubeType, Clone, Copy)]
+#[expand(derive(Clone, Copy))]
+pub struct PageDims {
+    /// Keys a page holds (`k.shape(2)` of the paged K and V).
+    pub rows: usize,
+    /// Pages in the cache (`k.shape(0)`).
+    pub count: usize,
+    /// Table entries per sequence: the table's row stride (it is contiguous).
+    pub per_sequence: usize,
+}
+
 /// Keys each sequence can hold: `k`'s rows, or with a block table its pages' rows.
 #[cube]
 pub fn key_capacity<E: Float, I: Int>(
     k: &Tensor<E>,
     block_table: ComptimeOption<&Tensor<I>>,
+    pages: PageDims,
 ) -> usize {
     let mut rows = k.shape(2);
     #[comptime]
-    if let ComptimeOption::Some(table) = block_table {
-        rows = table.shape(1) * k.shape(2);
+    if let ComptimeOption::Some(_) = block_table {
+        rows = pages.per_sequence * pages.rows;
     }
     rows
 }
 
 /// Where the keys `[kv_start, kv_start + block)` of sequence `batch` lie: in a paged cache the
-/// page its block table maps them to, else `batch`, the sequence's own rows. Only a block the
-/// sequence reaches (`kv_start < seq_k`) reads the table; the others stand on page 0, and are
-/// never read. A page number outside the cache is clamped into it (a negative one to page 0):
-/// a bad table reads wrong keys, never outside the tensors.
+/// page its block table maps them to, else `batch`, the sequence's own rows. A block the
+/// sequence does not reach (`kv_start ≥ seq_k`) stands on page 0 and is never read; its entry
+/// is loaded all the same (clamped into the sequence's row), so that the load waits for
+/// nothing but its address. A page number outside the cache is clamped into it (a negative one
+/// to page 0): a bad table reads wrong keys, never outside the tensors.
 #[cube]
-pub fn block_page<E: Float, I: Int>(
+pub fn block_page<I: Int>(
     block_table: ComptimeOption<&Tensor<I>>,
-    k: &Tensor<E>,
+    pages: PageDims,
     batch: usize,
     kv_start: usize,
     seq_k: usize,
@@ -64,14 +81,10 @@ pub fn block_page<E: Float, I: Int>(
     let mut page = batch;
     #[comptime]
     if let ComptimeOption::Some(table) = block_table {
-        page = 0;
-        if kv_start < seq_k {
-            let entry = batch * table.stride(0) + (kv_start / k.shape(2)) * table.stride(1);
-            page = min(
-                usize::cast_from(max(table[entry], I::new(0))),
-                k.shape(0) - 1,
-            );
-        }
+        let column = min(kv_start / pages.rows, max(pages.per_sequence, 1) - 1);
+        let listed = max(table[batch * pages.per_sequence + column], I::new(0));
+        let listed = min(usize::cast_from(listed), pages.count - 1);
+        page = select(kv_start < seq_k, listed, 0usize);
     }
     page
 }
@@ -83,6 +96,7 @@ pub fn block_page<E: Float, I: Int>(
 #[allow(clippy::too_many_arguments)]
 pub fn block_rows<E: Float, I: Int>(
     block_table: ComptimeOption<&Tensor<I>>,
+    pages: PageDims,
     k: &Tensor<E>,
     v: &Tensor<E>,
     page: usize,
@@ -101,7 +115,7 @@ pub fn block_rows<E: Float, I: Int>(
     };
     #[comptime]
     if let ComptimeOption::Some(_) = block_table {
-        let first = kv_start % k.shape(2);
+        let first = kv_start % pages.rows;
         rows.k_base = page * k.stride(0) + kv_head * k.stride(1);
         rows.v_base = page * v.stride(0) + kv_head * v.stride(1);
         rows.first = first;
