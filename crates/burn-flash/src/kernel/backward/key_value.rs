@@ -225,16 +225,29 @@ fn store_whole<E: Float, T: AttentionTile<E>>(
 ) {
     let key_cfg = comptime!(cfg.with_widths(cfg.head_dim, cfg.head_dim));
     let dk_head = batch * d_k.stride(0) + kv_head * d_k.stride(1) + k_row * d_k.stride(2);
+    let dk_row = d_k.stride(2);
     T::store_owned(
         keys,
         grad_k,
         scale,
         d_k,
         dk_head,
+        dk_row,
         owned_start,
         seq_k,
         key_cfg,
     );
     let dv_head = batch * d_v.stride(0) + kv_head * d_v.stride(1) + k_row * d_v.stride(2);
-    T::store_owned(values, grad_v, 1.0, d_v, dv_head, owned_start, seq_k, cfg);
+    let dv_row = d_v.stride(2);
+    T::store_owned(
+        values,
+        grad_v,
+        1.0,
+        d_v,
+        dv_head,
+        dv_row,
+        owned_start,
+        seq_k,
+        cfg,
+    );
 }

@@ -146,12 +146,14 @@ pub fn query_grads<E: Float, M: Int, T: AttentionTile<E>>(
 
     // The owned queries are done with: their shared memory stages dQ.
     let dq_head = batch * d_q.stride(0) + head * d_q.stride(1) + q_row * d_q.stride(2);
+    let dq_row = d_q.stride(2);
     T::store_owned(
         &mut queries,
         &grad_q,
         scale,
         d_q,
         dq_head,
+        dq_row,
         span.owned_start,
         span.band.seq_q,
         query_cfg,

@@ -17,21 +17,25 @@ const LANES: usize = 32;
 /// Most planes of one merge cube; each takes `splits / planes` of the splits.
 const MOST_PLANES: usize = 8;
 
-/// One cube per output row (`CUBE_POS` = (row, head, batch) of `out`, `[b, h, sq, dv]`,
-/// contiguous), `planes` planes of [`LANES`] units: plane `p` sums splits `p, p + planes, …`
-/// over columns `lane + LANES · j`, `j < cols` (`cols · LANES ≥ dv`), from head
-/// `split · h + head` of `partial_out` and `partial_lse`. Split count and columns are comptime
-/// so that the loads unroll.
+/// One cube per output row (`CUBE_POS` = (row, head, batch) of `out`, `[b, h, sq, dv]`),
+/// `planes` planes of [`LANES`] units: plane `p` sums splits `p, p + planes, …` over columns
+/// `lane + LANES · j`, `j < dv / LANES` rounded up, from head `split · h + head` of
+/// `partial_out` and `partial_lse`. Every tensor is contiguous, and its dims come as scalars
+/// (`heads`, `rows`) or comptime (`splits`, `dim`): CubeCL reads `shape` and `stride` from a
+/// metadata buffer in global memory, a round trip the loads would wait for.
 #[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::too_many_arguments)]
 fn combine_splits<E: Float>(
     partial_out: &Tensor<E>,
     partial_lse: &Tensor<f32>,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
+    heads: usize,
+    rows: usize,
     neg_inf: f32,
     #[comptime] splits: usize,
     #[comptime] planes: usize,
-    #[comptime] cols: usize,
+    #[comptime] dim: usize,
     #[define(E)] _dtype: ElemType,
 ) {
     let (row, head, batch) = (
@@ -41,41 +45,39 @@ fn combine_splits<E: Float>(
     );
     let (lane, plane) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
     let unit = plane * LANES + lane;
-    let heads = out.shape(1);
-    let dim = out.shape(3);
-    let lse_row =
-        batch * partial_lse.stride(0) + head * partial_lse.stride(1) + row * partial_lse.stride(2);
-    let lse_step = heads * partial_lse.stride(1);
-    let out_row =
-        batch * partial_out.stride(0) + head * partial_out.stride(1) + row * partial_out.stride(2);
-    let out_step = heads * partial_out.stride(1);
-    let col_step = partial_out.stride(3);
+    let cols = comptime!(dim.div_ceil(LANES));
     let per_plane = comptime!(splits / planes);
+    // Row `r` of split `s`'s head is row `first + s · step` of the partials (rows of `dim`).
+    let first = (batch * splits * heads + head) * rows + row;
+    let step = heads * rows;
 
     // Every load of the cube issued before any is used: the splits' log-sum-exps into shared
     // memory, this unit's partial outputs into registers (0 past the row's width).
     let units = comptime!(planes * LANES);
-    let mut weights = Shared::<[f32]>::new_slice(splits);
+    let mut lses = Shared::<[f32]>::new_slice(splits);
     #[unroll]
     for round in 0..comptime!(splits.div_ceil(units)) {
         let split = unit + round * units;
         if split < splits {
-            weights[split] = partial_lse[lse_row + split * lse_step];
+            lses[split] = partial_lse[first + split * step];
         }
     }
     let mut parts = Array::<f32>::new(comptime!(per_plane * cols));
     #[unroll]
     for i in 0..per_plane {
-        let split = plane + i * planes;
+        let at = (first + (plane + i * planes) * step) * dim;
         #[unroll]
         for j in 0..cols {
             let col = lane + j * LANES;
-            let at = out_row + split * out_step + col * col_step;
-            parts[i * cols + j] = select(
-                col < dim,
-                f32::cast_from(partial_out[select(col < dim, at, out_row)]),
-                0.0,
-            );
+            parts[i * cols + j] = if comptime!(dim.is_multiple_of(LANES)) {
+                f32::cast_from(partial_out[at + col])
+            } else {
+                select(
+                    col < dim,
+                    f32::cast_from(partial_out[at + select(col < dim, col, 0usize)]),
+                    0.0,
+                )
+            };
         }
     }
     sync_cube();
@@ -83,28 +85,23 @@ fn combine_splits<E: Float>(
     let mut top = neg_inf;
     #[unroll]
     for split in 0..splits {
-        top = max(top, weights[split]);
+        top = max(top, lses[split]);
     }
     // A row no split saw (`top = -inf`) weighs every split 0 instead of NaN.
     let seen = top > neg_inf;
     let shift = select(seen, top, 0.0);
-    sync_cube();
+    let mut weights = Array::<f32>::new(per_plane);
     #[unroll]
-    for round in 0..comptime!(splits.div_ceil(units)) {
-        let split = unit + round * units;
-        if split < splits {
-            weights[split] = (weights[split] - shift).exp();
-        }
+    for i in 0..per_plane {
+        weights[i] = (lses[plane + i * planes] - shift).exp();
     }
-    sync_cube();
-
     let mut sums = Shared::<[f32]>::new_slice(comptime!(planes * cols * LANES));
     #[unroll]
     for j in 0..cols {
         let mut acc = 0.0f32;
         #[unroll]
         for i in 0..per_plane {
-            acc += weights[plane + i * planes] * parts[i * cols + j];
+            acc += weights[i] * parts[i * cols + j];
         }
         sums[(plane * cols + j) * LANES + lane] = acc;
     }
@@ -114,11 +111,11 @@ fn combine_splits<E: Float>(
         let mut sum = 0.0f32;
         #[unroll]
         for split in 0..splits {
-            sum += weights[split];
+            sum += (lses[split] - shift).exp();
         }
         // `sum >= 1` where a split saw a key: the largest weight is exp(0).
         let inverse = select(seen, 1.0 / select(seen, sum, 1.0), 0.0);
-        let out_at = ((batch * heads + head) * out.shape(2) + row) * dim;
+        let out_at = ((batch * heads + head) * rows + row) * dim;
         #[unroll]
         for j in 0..cols {
             let col = lane + j * LANES;
@@ -132,15 +129,15 @@ fn combine_splits<E: Float>(
             }
         }
         if lane == 0 {
-            let at = batch * lse.stride(0) + head * lse.stride(1) + row * lse.stride(2);
-            lse[at] = select(seen, top + select(seen, sum, 1.0).ln(), neg_inf);
+            lse[(batch * heads + head) * rows + row] =
+                select(seen, top + select(seen, sum, 1.0).ln(), neg_inf);
         }
     }
 }
 
 /// Merge the splits' `partial_out` (`[b, splits · h, sq, dv]`) and `partial_lse`
-/// (`[b, splits · h, sq]`, f32) into `out` (`[b, h, sq, dv]`, contiguous) and `lse`
-/// (`[b, h, sq]`).
+/// (`[b, splits · h, sq]`, f32) into `out` (`[b, h, sq, dv]`) and `lse` (`[b, h, sq]`), all
+/// contiguous.
 pub fn combine(
     partial_out: &KernelTensor,
     partial_lse: &KernelTensor,
@@ -148,6 +145,9 @@ pub fn combine(
     lse: &KernelTensor,
 ) {
     assert_eq!(partial_lse.dtype, F32);
+    for tensor in [partial_out, partial_lse, out, lse] {
+        assert!(tensor.is_contiguous(), "the merge indexes contiguous rows");
+    }
     let dims = out.meta.shape().clone();
     if out.meta.num_elements() == 0 {
         return;
@@ -157,7 +157,6 @@ pub fn combine(
     let splits = partial_lse.meta.shape()[1] / dims[1];
     // A power of two that divides the splits (the plan's splits are powers of two).
     let planes = (1 << splits.trailing_zeros()).min(MOST_PLANES);
-    let cols = dims[3].div_ceil(LANES);
     // SAFETY: one cube per output row, within `out`'s (sq, h, b); partial loads are at heads
     // `split · h + head` below `splits · h` and columns below `dv` (clamped to column 0 past
     // it), shared memory is indexed below `splits` and `planes · cols · LANES`.
@@ -171,10 +170,12 @@ pub fn combine(
             partial_lse.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
+            dims[1],
+            dims[2],
             f32::NEG_INFINITY,
             splits,
             planes,
-            cols,
+            dims[3],
             out.dtype,
         );
     }

@@ -13,7 +13,8 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::pages::{BlockRows, PageDims, block_page, block_rows, key_capacity};
+use super::layout::Layout;
+use super::pages::{BlockRows, block_page, block_rows, key_capacity};
 use crate::kernel::band::{Band, kv_blocks};
 use crate::kernel::config::{SMEM_ALIGN, TMA_ALIGN, TileConfig, TilePath};
 use crate::kernel::dropout::{Dropout, keep_mask};
@@ -39,8 +40,8 @@ struct Coords {
     batch: usize,
     /// The first key row of the sequence in its tensors (packed sequences; else 0).
     k_row: usize,
-    /// A paged cache's dims.
-    pages: PageDims,
+    /// The tensors' dims and strides.
+    layout: Layout,
     /// The key/value head this query head reads (GQA).
     kv_head: usize,
     q_base: usize,
@@ -81,7 +82,7 @@ pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     bias: ComptimeOption<&Tensor<E>>,
     key_lengths: ComptimeOption<&Tensor<I>>,
     block_table: ComptimeOption<&Tensor<I>>,
-    pages: PageDims,
+    layout: Layout,
     starts: ComptimeOption<&Tensor<u32>>,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
@@ -105,35 +106,35 @@ pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
         sequence
     };
     let band = Band::new(
-        q.shape(2),
-        key_capacity(k, block_table, pages),
+        layout.seq_q,
+        key_capacity(block_table, layout),
         band_left,
         band_right,
     )
     .of_sequence(key_lengths, batch);
     let (band, q_row, k_row) = band.of_packed(starts, sequence);
-    let kv_head = head / (q.shape(1) / k.shape(1));
+    let kv_head = head / (layout.heads / layout.kv_heads);
     let dropout = Dropout::new(
         dropout_seed_lo,
         dropout_seed_hi,
         dropout_threshold,
-        q.shape(1),
-        k.shape(2),
+        layout.heads,
+        layout.key_rows,
     );
     // With split keys, `out` holds a head per (split, query head).
     let (block, split) = if comptime!(cfg.kv_split.0) {
-        block_and_split(out.shape(1) / q.shape(1), cfg)
+        block_and_split(layout.splits, cfg)
     } else {
         (row_block(cfg), 0usize)
     };
     let coords = Coords {
         batch,
         k_row,
-        pages,
+        layout,
         kv_head,
-        q_base: batch * q.stride(0) + head * q.stride(1) + q_row * q.stride(2),
-        k_base: batch * k.stride(0) + kv_head * k.stride(1),
-        v_base: batch * v.stride(0) + kv_head * v.stride(1),
+        q_base: batch * layout.q.outer + head * layout.q.head + q_row * layout.q.row,
+        k_base: batch * layout.k.outer + kv_head * layout.k.head,
+        v_base: batch * layout.v.outer + kv_head * layout.v.head,
         q_start: block * cfg.block_q,
         band,
         softcap: Softcap::new(scale, softcap),
@@ -167,13 +168,7 @@ pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     };
     let (first, end) = visible_range(hidden_blocks, coords.hidden_row, first, end);
     let walk = if comptime!(cfg.kv_split.0) {
-        BlockWalk::split(
-            first,
-            end,
-            split,
-            out.shape(1) / q.shape(1),
-            comptime!(!cfg.paged.0),
-        )
+        BlockWalk::split(first, end, split, layout.splits, comptime!(!cfg.paged.0))
     } else {
         BlockWalk::all(first, end)
     };
@@ -231,11 +226,11 @@ pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
         acc[reg] *= inv_sum[comptime!(cfg.out_slot(reg))];
     }
     let out_head = if comptime!(cfg.kv_split.0) {
-        split * q.shape(1) + head
+        split * layout.heads + head
     } else {
         head
     };
-    let out_base = batch * out.stride(0) + out_head * out.stride(1) + q_row * out.stride(2);
+    let out_base = batch * layout.out.outer + out_head * layout.out.head + q_row * layout.out.row;
     if comptime!(cfg.value_stride() <= cfg.head_stride()) {
         // The query block is done with: its shared memory stages the output rows.
         T::store_owned(
@@ -244,13 +239,14 @@ pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
             1.0,
             out,
             out_base,
+            layout.out.row,
             coords.q_start,
             coords.band.seq_q,
             cfg,
         );
     } else {
         // Values wider than queries: the output does not fit in the query block.
-        let out_row = out.stride(2);
+        let out_row = layout.out.row;
         #[unroll]
         for reg in 0..cfg.out_regs() {
             let (row, col) = T::out_position(reg, cfg);
@@ -261,8 +257,8 @@ pub fn flash_forward<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
         }
     }
     if T::writes_row_stats() {
-        let lse_row = lse.stride(2);
-        let lse_base = batch * lse.stride(0) + out_head * lse.stride(1) + q_row * lse_row;
+        let lse_row = layout.lse.row;
+        let lse_base = batch * layout.lse.outer + out_head * layout.lse.head + q_row * lse_row;
         #[unroll]
         for slot in 0..cfg.rows_per_unit() {
             let query_row = coords.q_start + T::slot_row(slot, cfg);
@@ -446,7 +442,7 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
             &mut values,
             &mut mask_stages,
             &mut bias_stages,
-            rows_of::<E, I>(block_table, k, v, coords, page_first, first, cfg),
+            rows_of::<I>(block_table, coords, page_first, first, cfg),
             first,
             0,
             &barriers,
@@ -454,7 +450,7 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
         );
     }
     let mut page_next = page_of::<I>(block_table, coords, min(first + step, last), cfg);
-    let query = T::load_query(q, coords.q_base, coords.q_start, coords.band.seq_q, cfg);
+    let query = query_block::<E, T>(q, coords, cfg);
     for i in 0..count {
         let block = walk.block(i);
         let stage = i % 2;
@@ -494,7 +490,7 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
                 &mut values,
                 &mut mask_stages,
                 &mut bias_stages,
-                rows_of::<E, I>(block_table, k, v, coords, page_next, block + step, cfg),
+                rows_of::<I>(block_table, coords, page_next, block + step, cfg),
                 block + step,
                 1 - stage,
                 &barriers,
@@ -597,10 +593,10 @@ fn fetch_block<E: Float, M: Int>(
         fetch_stage::<E>(
             k,
             rows.k_base,
-            k.stride(2),
+            coords.layout.k.row,
             v,
             rows.v_base,
-            v.stride(2),
+            coords.layout.v.row,
             rows.first,
             rows.end,
             keys,
@@ -624,6 +620,23 @@ fn fetch_block<E: Float, M: Int>(
     barriers.commit(stage);
 }
 
+/// The cube's query block, loaded by the tile.
+#[cube]
+fn query_block<E: Float, T: AttentionTile<E>>(
+    q: &Tensor<E>,
+    coords: Coords,
+    #[comptime] cfg: TileConfig,
+) -> T::Query {
+    T::load_query(
+        q,
+        coords.q_base,
+        coords.layout.q.row,
+        coords.q_start,
+        coords.band.seq_q,
+        cfg,
+    )
+}
+
 /// The page KV block `block` of the cube's sequence lies in ([`block_page`]).
 #[cube]
 fn page_of<I: Int>(
@@ -634,7 +647,7 @@ fn page_of<I: Int>(
 ) -> usize {
     block_page::<I>(
         block_table,
-        coords.pages,
+        coords.layout.pages,
         coords.batch,
         block * cfg.block_kv,
         coords.band.seq_k,
@@ -643,20 +656,16 @@ fn page_of<I: Int>(
 
 /// The rows KV block `block` of the cube's head is read from in `page` ([`block_rows`]).
 #[cube]
-fn rows_of<E: Float, I: Int>(
+fn rows_of<I: Int>(
     block_table: ComptimeOption<&Tensor<I>>,
-    k: &Tensor<E>,
-    v: &Tensor<E>,
     coords: Coords,
     page: usize,
     block: usize,
     #[comptime] cfg: TileConfig,
 ) -> BlockRows {
-    block_rows::<E, I>(
+    block_rows::<I>(
         block_table,
-        coords.pages,
-        k,
-        v,
+        coords.layout,
         page,
         coords.kv_head,
         coords.k_base,
@@ -722,7 +731,7 @@ fn kv_loop<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     acc: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
 ) -> T::Query {
-    let query = T::load_query(q, coords.q_base, coords.q_start, coords.band.seq_q, cfg);
+    let query = query_block::<E, T>(q, coords, cfg);
     let bias_factor = T::staged_factor(coords.inv_scale, cfg);
     let mut keys = Shared::<[E]>::new_slice(cfg.block_kv * cfg.head_dim);
     let mut values = Shared::<[E]>::new_slice(cfg.block_kv * cfg.value_dim);
@@ -730,7 +739,7 @@ fn kv_loop<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
         let block = walk.block(i);
         let first_row = block * cfg.block_kv;
         let page = page_of::<I>(block_table, coords, block, cfg);
-        let rows = rows_of::<E, I>(block_table, k, v, coords, page, block, cfg);
+        let rows = rows_of::<I>(block_table, coords, page, block, cfg);
         sync_cube();
         load_block::<E>(
             k,

@@ -9,7 +9,7 @@ use cubecl::zspace::Shape;
 
 use super::combine::combine;
 use super::kernel::flash_forward;
-use super::pages::PageDimsLaunch;
+use super::layout::{PageDimsLaunch, layout};
 use super::plan::{ForwardPlan, ForwardProblem};
 use crate::kernel::config::{MaskConfig, ScoreParams, TilePath};
 use crate::kernel::device::DeviceCaps;
@@ -286,6 +286,7 @@ fn launch(
         k.meta.shape()[0],
         cached.as_ref().map_or(1, CachedKeys::pages_per_sequence),
     );
+    let layout = layout(&q, &k, &v, &kernel_out, &kernel_lse, pages, cfg.tma);
     let cube_dim = cube_dim(&cfg);
     let cube_count = cube_count(&cfg, seq_q, heads, batch, splits);
     // Keys and values staged by tensor maps are never indexed by the kernel (the copy engine
@@ -337,7 +338,7 @@ fn launch(
                         .and_then(|c| c.block_table)
                         .map(KernelTensor::into_tensor_arg)
                         .into(),
-                    pages,
+                    layout,
                     packed.map(|p| p.starts.into_tensor_arg()).into(),
                     kernel_out.clone().into_tensor_arg(),
                     kernel_lse.clone().into_tensor_arg(),

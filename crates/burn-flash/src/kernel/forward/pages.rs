@@ -6,6 +6,8 @@
 
 use cubecl::prelude::*;
 
+use super::layout::{Layout, PageDims};
+
 /// The rows of keys and values one block is read from.
 #[derive(CubeType, Clone, Copy)]
 #[expand(derive(Clone, Copy))]
@@ -34,32 +36,13 @@ impl BlockRows {
     }
 }
 
-/// A paged cache's dims, passed as launch scalars (unused without a block table). CubeCL
-/// reads a tensor's shape and strides from a metadata buffer in global memory: read from there,
-/// a block's page waited for two loads in turn (the dims, then the table), and a decoding
-/// cube's first copy behind them. Scalars sit in the launch's constant bank.
-#[derive(CubeLaunch, CubeType, Clone, Copy)]
-#[expand(derive(Clone, Copy))]
-pub struct PageDims {
-    /// Keys a page holds (`k.shape(2)` of the paged K and V).
-    pub rows: usize,
-    /// Pages in the cache (`k.shape(0)`).
-    pub count: usize,
-    /// Table entries per sequence: the table's row stride (it is contiguous).
-    pub per_sequence: usize,
-}
-
 /// Keys each sequence can hold: `k`'s rows, or with a block table its pages' rows.
 #[cube]
-pub fn key_capacity<E: Float, I: Int>(
-    k: &Tensor<E>,
-    block_table: ComptimeOption<&Tensor<I>>,
-    pages: PageDims,
-) -> usize {
-    let mut rows = k.shape(2);
+pub fn key_capacity<I: Int>(block_table: ComptimeOption<&Tensor<I>>, layout: Layout) -> usize {
+    let mut rows = layout.key_rows;
     #[comptime]
     if let ComptimeOption::Some(_) = block_table {
-        rows = pages.per_sequence * pages.rows;
+        rows = layout.pages.per_sequence * layout.pages.rows;
     }
     rows
 }
@@ -94,11 +77,9 @@ pub fn block_page<I: Int>(
 /// else the sequence's own, whose head's rows start at `k_base` and `v_base`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn block_rows<E: Float, I: Int>(
+pub fn block_rows<I: Int>(
     block_table: ComptimeOption<&Tensor<I>>,
-    pages: PageDims,
-    k: &Tensor<E>,
-    v: &Tensor<E>,
+    layout: Layout,
     page: usize,
     kv_head: usize,
     k_base: usize,
@@ -115,9 +96,9 @@ pub fn block_rows<E: Float, I: Int>(
     };
     #[comptime]
     if let ComptimeOption::Some(_) = block_table {
-        let first = kv_start % pages.rows;
-        rows.k_base = page * k.stride(0) + kv_head * k.stride(1);
-        rows.v_base = page * v.stride(0) + kv_head * v.stride(1);
+        let first = kv_start % layout.pages.rows;
+        rows.k_base = page * layout.k.outer + kv_head * layout.k.head;
+        rows.v_base = page * layout.v.outer + kv_head * layout.v.head;
         rows.first = first;
         rows.end = first + (seq_k - min(kv_start, seq_k));
     }

@@ -4,7 +4,7 @@
 use cubecl::prelude::*;
 
 use super::kernel::flash_forward;
-use super::pages::PageDimsLaunch;
+use super::layout::placeholder;
 use super::plan::{ForwardPlan, ForwardProblem};
 use crate::kernel::config::TilePath;
 #[cfg(feature = "cuda")]
@@ -137,7 +137,7 @@ pub fn forward(target: &Target, problem: &Problem) -> Result<Vec<PlannedKernel>,
                     inputs.bias_arg().into(),
                     ComptimeOptionArgs::None,
                     ComptimeOptionArgs::None,
-                    PageDimsLaunch::new(1, 1, 1),
+                    placeholder(),
                     ComptimeOptionArgs::None,
                     out.arg(),
                     lse.arg(),

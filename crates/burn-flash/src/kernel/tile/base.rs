@@ -15,11 +15,12 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
     /// What [`add_staged`](Self::add_staged) multiplies a staged input by.
     type StagedFactor: CubeType;
 
-    /// Load this unit's query rows of the block starting at `q_start`; rows at or past `seq_q`
-    /// read as zeros.
+    /// Load this unit's query rows of the block starting at `q_start` (rows `row_stride` apart
+    /// from `head_base`); rows at or past `seq_q` read as zeros.
     fn load_query(
         q: &Tensor<E>,
         head_base: usize,
+        row_stride: usize,
         q_start: usize,
         seq_q: usize,
         #[comptime] cfg: TileConfig,
@@ -116,7 +117,7 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
 
     /// Write `factor` times this unit's accumulators `regs` (laid out as
     /// [`accumulate`](Self::accumulate) leaves them, `cfg.value_dim` wide) to rows `start + r` of
-    /// one head of `out` (from element `head_base`), skipping rows at or past `seq`. `owned` is
+    /// one head of `out` (from element `head_base`, `row_stride` apart), skipping rows at or past `seq`. `owned` is
     /// the operand this cube owns (as [`load_query`](Self::load_query) gave it for these rows;
     /// its rows at least `cfg.value_dim` wide) and is consumed: the tensor-core tile stages the
     /// block in its shared memory and writes whole 16-byte row chunks, where storing from the
@@ -129,6 +130,7 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
         factor: f32,
         out: &mut Tensor<E>,
         head_base: usize,
+        row_stride: usize,
         start: usize,
         seq: usize,
         #[comptime] cfg: TileConfig,

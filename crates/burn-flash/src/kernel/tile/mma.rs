@@ -642,6 +642,7 @@ fn query_stage<E: Float>(#[comptime] cfg: TileConfig) -> Shared<[E]> {
 fn copy_owned<E: Float>(
     src: &Tensor<E>,
     head_base: usize,
+    row_stride: usize,
     start: usize,
     seq: usize,
     stage: &mut Shared<[E]>,
@@ -650,7 +651,7 @@ fn copy_owned<E: Float>(
     copy_block_async::<E>(
         src,
         head_base,
-        src.stride(2),
+        row_stride,
         start,
         seq,
         stage,
@@ -697,6 +698,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
     fn load_query(
         q: &Tensor<E>,
         head_base: usize,
+        row_stride: usize,
         q_start: usize,
         seq_q: usize,
         #[comptime] cfg: TileConfig,
@@ -704,7 +706,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         let mut stage = query_stage::<E>(cfg);
         let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
         sync_cube();
-        copy_owned::<E>(q, head_base, q_start, seq_q, &mut stage, cfg);
+        copy_owned::<E>(q, head_base, row_stride, q_start, seq_q, &mut stage, cfg);
         barrier.commit_copy_async();
         barrier.arrive_and_wait();
         query_fragments::<E>(stage, cfg)
@@ -724,10 +726,19 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         let mut second_stage = query_stage::<E>(second_cfg);
         let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
         sync_cube();
-        copy_owned::<E>(first, first_base, start, seq, &mut first_stage, cfg);
+        copy_owned::<E>(
+            first,
+            first_base,
+            first.stride(2),
+            start,
+            seq,
+            &mut first_stage,
+            cfg,
+        );
         copy_owned::<E>(
             second,
             second_base,
+            second.stride(2),
             start,
             seq,
             &mut second_stage,
@@ -871,6 +882,7 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         factor: f32,
         out: &mut Tensor<E>,
         head_base: usize,
+        row_stride: usize,
         start: usize,
         seq: usize,
         #[comptime] cfg: TileConfig,
@@ -892,7 +904,6 @@ impl<E: Float> AttentionTile<E> for MmaTile {
         let chunks_per_row = comptime!(cfg.value_dim / CHUNK);
         let chunks = comptime!(cfg.block_q * chunks_per_row);
         let units = comptime!(cfg.units());
-        let row_stride = out.stride(2);
         #[unroll]
         for pass in 0..comptime!(chunks.div_ceil(units)) {
             let id = comptime!(pass * units) + UNIT_POS as usize;

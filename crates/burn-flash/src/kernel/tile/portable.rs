@@ -18,6 +18,7 @@ impl<E: Float> AttentionTile<E> for PortableTile {
     fn load_query(
         q: &Tensor<E>,
         head_base: usize,
+        row_stride: usize,
         q_start: usize,
         seq_q: usize,
         #[comptime] cfg: TileConfig,
@@ -25,7 +26,7 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         let mut query = Array::<f32>::new(cfg.head_dim);
         let row = q_start + UNIT_POS as usize;
         let in_bounds = row < seq_q;
-        let start = head_base + select(in_bounds, row * q.stride(2), 0usize);
+        let start = head_base + select(in_bounds, row * row_stride, 0usize);
         #[unroll]
         for c in 0..cfg.head_dim {
             query[c] = select(in_bounds, f32::cast_from(q[start + c]), 0.0);
@@ -44,8 +45,15 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         #[comptime] second_cfg: TileConfig,
     ) -> (Array<f32>, Array<f32>) {
         (
-            Self::load_query(first, first_base, start, seq, cfg),
-            Self::load_query(second, second_base, start, seq, second_cfg),
+            Self::load_query(first, first_base, first.stride(2), start, seq, cfg),
+            Self::load_query(
+                second,
+                second_base,
+                second.stride(2),
+                start,
+                seq,
+                second_cfg,
+            ),
         )
     }
 
@@ -173,13 +181,14 @@ impl<E: Float> AttentionTile<E> for PortableTile {
         factor: f32,
         out: &mut Tensor<E>,
         head_base: usize,
+        row_stride: usize,
         start: usize,
         seq: usize,
         #[comptime] cfg: TileConfig,
     ) {
         let row = start + UNIT_POS as usize;
         if row < seq {
-            let at = head_base + row * out.stride(2);
+            let at = head_base + row * row_stride;
             #[unroll]
             for col in 0..cfg.value_dim {
                 out[at + col] = E::cast_from(regs[col] * factor);
