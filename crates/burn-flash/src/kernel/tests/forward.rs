@@ -123,7 +123,7 @@ fn decoding_rows_match_the_reference() {
 
 /// Keys split across cubes and merged by their log-sum-exps: decoding rows, several row blocks,
 /// causal rows that see no key, windows, masks and biases, more splits than key blocks (empty
-/// splits), split counts that are not powers of two.
+/// splits), split counts that are not powers of two, value rows of any width.
 #[test]
 fn split_keys_match_the_reference() {
     let cases = [
@@ -139,6 +139,8 @@ fn split_keys_match_the_reference() {
         (Case::new(1, 1, 9, 20, 32), 7),
         // More splits than one merge cube has units: its lanes load the splits in rounds.
         (Case::new(1, 2, 1, 700, 32).causal(), 37),
+        // Rows narrower than a merge plane's lanes (the columns past them masked).
+        (Case::new(1, 2, 1, 300, 40).kv_heads(1).value_dim(24), 5),
         (
             Case::new(1, 2, 37, 130, 64).options(
                 FlashAttentionOptions::causal().with_window(AttentionWindow::new(Some(40), None)),
