@@ -9,7 +9,7 @@ use cubecl::zspace::Shape;
 
 use super::combine::combine;
 use super::kernel::flash_forward;
-use super::layout::{PageDimsLaunch, layout};
+use super::layout::layout;
 use super::plan::{ForwardPlan, ForwardProblem};
 use crate::kernel::config::{MaskConfig, ScoreParams, TilePath};
 use crate::kernel::device::DeviceCaps;
@@ -280,13 +280,16 @@ fn launch(
         crate::testing::record_tma_launch();
     }
     let (k_map, v_map) = (stage_map(&k, &cfg), stage_map(&v, &cfg));
-    // A paged cache's page size, page count and entries per sequence (read only with a table).
-    let pages = PageDimsLaunch::new(
-        k.meta.shape()[2],
-        k.meta.shape()[0],
-        cached.as_ref().map_or(1, CachedKeys::pages_per_sequence),
+    let pages_per_sequence = cached.as_ref().map_or(1, CachedKeys::pages_per_sequence);
+    let layout = layout(
+        &q,
+        &k,
+        &v,
+        &kernel_out,
+        &kernel_lse,
+        pages_per_sequence,
+        cfg.tma,
     );
-    let layout = layout(&q, &k, &v, &kernel_out, &kernel_lse, pages, cfg.tma);
     let cube_dim = cube_dim(&cfg);
     let cube_count = cube_count(&cfg, seq_q, heads, batch, splits);
     // Keys and values staged by tensor maps are never indexed by the kernel (the copy engine

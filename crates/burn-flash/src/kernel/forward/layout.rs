@@ -61,13 +61,14 @@ pub fn placeholder() -> LayoutLaunch {
 }
 
 /// `tensor`'s strides over its first three dims, as launch scalars.
-pub fn strides(tensor: &KernelTensor) -> StridesLaunch {
+fn strides(tensor: &KernelTensor) -> StridesLaunch {
     let strides = tensor.meta.strides();
     StridesLaunch::new(strides[0], strides[1], strides[2])
 }
 
 /// The layout of a launch over these tensors (`out` and `lse` hold a head per (split, query
-/// head)). Keys and values staged by tensor maps (`kv_by_maps`) are addressed by coordinates,
+/// head); with a block table, K and V are `[pages, kv_heads, page_size, dim]` and each
+/// sequence has `pages_per_sequence` entries, 1 without). Keys and values staged by tensor maps (`kv_by_maps`) are addressed by coordinates,
 /// never by strides: theirs are passed as zeros, since a cache of more than `u32::MAX`
 /// elements keeps a 32-bit kernel, whose scalars they would not fit.
 pub fn layout(
@@ -76,7 +77,7 @@ pub fn layout(
     v: &KernelTensor,
     out: &KernelTensor,
     lse: &KernelTensor,
-    pages: PageDimsLaunch,
+    pages_per_sequence: usize,
     kv_by_maps: bool,
 ) -> LayoutLaunch {
     let (q_dims, k_dims) = (q.meta.shape(), k.meta.shape());
@@ -98,7 +99,7 @@ pub fn layout(
         kv_strides(v),
         strides(out),
         strides(lse),
-        pages,
+        PageDimsLaunch::new(k_dims[2], k_dims[0], pages_per_sequence),
     )
 }
 
