@@ -156,6 +156,9 @@ pub struct TileConfig {
     /// tensor per operand, each sequence's rows found by its starts
     /// ([`Band::of_packed`](super::band::Band)); the grid's batch runs over the sequences.
     pub varlen: Switch,
+    /// The tensor-core forward stages keys and values in three shared-memory stages, two blocks
+    /// in flight while one is computed, instead of two ([`kv_stages`](Self::kv_stages)).
+    pub three_kv_stages: Switch,
 }
 
 /// A comptime switch that joins a configuration's hash only when on. CubeCL names each kernel's
@@ -442,6 +445,7 @@ impl TileConfig {
             key_lengths: Switch(false),
             paged: Switch(false),
             varlen: Switch(false),
+            three_kv_stages: Switch(false),
         }
     }
 
@@ -474,6 +478,7 @@ impl TileConfig {
             key_lengths: Switch(false),
             paged: Switch(false),
             varlen: Switch(false),
+            three_kv_stages: Switch(false),
         }
     }
 
@@ -546,6 +551,26 @@ impl TileConfig {
             varlen: Switch(true),
             ..self
         }
+    }
+
+    /// These blocks with keys and values in three stages ([`three_kv_stages`](Self::three_kv_stages))
+    /// where `three`. The staged mask and bias keep two stages: only blocks without them take
+    /// three.
+    pub fn with_three_kv_stages(self, three: bool) -> Self {
+        assert!(
+            !three || (self.staged == Staged::default() && !self.mask.packed),
+            "three KV stages stage no score inputs and skip no blocks"
+        );
+        Self {
+            three_kv_stages: Switch(three),
+            ..self
+        }
+    }
+
+    /// Shared-memory stages the tensor-core forward's keys and values cycle through: one block
+    /// is computed while the others are in flight.
+    pub fn kv_stages(&self) -> usize {
+        if self.three_kv_stages.0 { 3 } else { 2 }
     }
 
     /// These blocks reading a paged cache ([`paged`](Self::paged)).
@@ -930,7 +955,7 @@ impl TileConfig {
     /// Bytes of shared memory one cube uses.
     pub fn shared_bytes(&self, elem_size: usize) -> usize {
         let stages = match self.tile {
-            TilePath::TensorCore => 2,
+            TilePath::TensorCore => self.kv_stages(),
             TilePath::Portable => 1,
         };
         let query = if self.tile == TilePath::TensorCore {

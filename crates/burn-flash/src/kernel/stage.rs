@@ -306,7 +306,7 @@ pub fn fetch_stage_tma<E: Float>(
                 bytes,
                 cfg,
             );
-        } else {
+        } else if stage == 1 {
             load_maps(
                 &barriers.second,
                 first,
@@ -318,6 +318,21 @@ pub fn fetch_stage_tma<E: Float>(
                 bytes,
                 cfg,
             );
+        } else {
+            #[comptime]
+            if let ComptimeOption::Some(third) = &barriers.third {
+                load_maps(
+                    third,
+                    first,
+                    second,
+                    first_stages,
+                    second_stages,
+                    bases,
+                    at,
+                    bytes,
+                    cfg,
+                );
+            }
         }
     }
 }
@@ -377,20 +392,29 @@ pub fn input_swizzle(chunk: usize, cfg: &TileConfig) -> (usize, usize) {
     ((8 / chunks).max(1), chunks.min(8))
 }
 
-/// One barrier per stage of a double buffer; a stage's copies complete on its barrier.
+/// One barrier per stage of a ring of two or three stages; a stage's copies complete on its
+/// barrier.
 #[derive(CubeType)]
 pub struct StageBarriers {
     first: Shared<Barrier>,
     second: Shared<Barrier>,
+    third: ComptimeOption<Shared<Barrier>>,
 }
 
 #[cube]
 impl StageBarriers {
-    /// Barriers for the whole cube; the caller synchronises the cube before first use.
-    pub fn new() -> StageBarriers {
+    /// Barriers for the whole cube and `stages` stages (2 or 3); the caller synchronises the
+    /// cube before first use.
+    pub fn new(#[comptime] stages: usize) -> StageBarriers {
+        let third = if comptime!(stages > 2) {
+            ComptimeOption::new_Some(Barrier::shared(CUBE_DIM, UNIT_POS == 0))
+        } else {
+            ComptimeOption::new_None()
+        };
         StageBarriers {
             first: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
             second: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+            third,
         }
     }
 
@@ -398,18 +422,28 @@ impl StageBarriers {
     pub fn commit(&self, stage: usize) {
         if stage == 0 {
             self.first.commit_copy_async();
-        } else {
+        } else if stage == 1 {
             self.second.commit_copy_async();
+        } else {
+            #[comptime]
+            if let ComptimeOption::Some(third) = &self.third {
+                third.commit_copy_async();
+            }
         }
     }
 
     /// Wait until stage `stage` has landed. Every unit arriving also proves that all are done
-    /// with the other stage's previous contents, so it may be refilled.
+    /// with the stage computed before it, so that one may be refilled.
     pub fn wait(&self, stage: usize) {
         if stage == 0 {
             self.first.arrive_and_wait();
-        } else {
+        } else if stage == 1 {
             self.second.arrive_and_wait();
+        } else {
+            #[comptime]
+            if let ComptimeOption::Some(third) = &self.third {
+                third.arrive_and_wait();
+            }
         }
     }
 }

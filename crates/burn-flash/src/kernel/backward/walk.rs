@@ -311,7 +311,7 @@ pub fn walk<E: Float, M: Int, T: AttentionTile<E>, N: Size>(
         );
         let mut scratch = Shared::<[E]>::new_aligned_slice(cfg.scratch_elems(), SMEM_ALIGN);
         let mut staging = Shared::<[f32]>::new_aligned_slice(cfg.dq_stage_elems(), SMEM_ALIGN);
-        let barriers = StageBarriers::new();
+        let barriers = StageBarriers::new(2usize);
         if comptime!(cfg.tma) {
             // The copy engine completes on the barriers: their initialisation must be visible
             // to it.

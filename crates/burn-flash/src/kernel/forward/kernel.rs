@@ -368,12 +368,12 @@ fn attend_block<E: Float, M: Int, T: AttentionTile<E>>(
     );
 }
 
-/// The blocks of `walk` through two shared-memory stages filled by asynchronous copies (K and
-/// V by `k_map` and `v_map` with `cfg.tma`): the walk's next block (with its staged mask and
-/// bias blocks) is in flight while one is computed. The query block loads while the first KV
-/// block is in flight; it is returned for the epilogue. Blocks a packed mask hides wholly from
-/// the query block are neither fetched nor computed; their iterations only keep the stages'
-/// barriers in step.
+/// The blocks of `walk` through a ring of shared-memory stages filled by asynchronous copies (K
+/// and V by `k_map` and `v_map` with `cfg.tma`): while one block is computed, the walk's next
+/// (two, with [`three_kv_stages`](TileConfig::three_kv_stages)) are in flight, with their
+/// staged mask and bias blocks. The query block loads while the first KV blocks are in flight;
+/// it is returned for the epilogue. Blocks a packed mask hides wholly from the query block are
+/// neither fetched nor computed; their iterations only keep the stages' barriers in step.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
@@ -393,8 +393,10 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     acc: &mut Array<f32>,
     #[comptime] cfg: TileConfig,
 ) -> T::Query {
+    // Blocks in flight ahead of the one computed.
+    let ahead = comptime!(cfg.kv_stages() - 1);
     // A packed mask's block flags and a paged block's table entry are read an iteration before
-    // the one that fetches the block (the first block's entry before the stages are set up),
+    // the one that fetches the block (the first blocks' entries before the stages are set up),
     // so that a load lands behind a block's products, not in front of the next fetch. Reads
     // are clamped into the walk (the kernel's `&&` evaluates both sides).
     let count = walk.count();
@@ -404,11 +406,11 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     let page_first = page_of::<I>(block_table, coords, min(first, last), cfg);
     let stage_align = comptime!(if cfg.tma { TMA_ALIGN } else { SMEM_ALIGN });
     let mut keys = Shared::<[E]>::new_aligned_slice(
-        comptime!(2 * cfg.block_kv * cfg.head_stride()),
+        comptime!(cfg.kv_stages() * cfg.block_kv * cfg.head_stride()),
         stage_align,
     );
     let mut values = Shared::<[E]>::new_aligned_slice(
-        comptime!(2 * cfg.block_kv * cfg.value_stride()),
+        comptime!(cfg.kv_stages() * cfg.block_kv * cfg.value_stride()),
         stage_align,
     );
     let mut mask_stages = input_stages::<M>(cfg.staged.mask, cfg.mask_stage_len(), 2usize);
@@ -417,7 +419,7 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
         cfg.block_q * cfg.block_kv,
         cfg.staged.bias_stages(),
     );
-    let barriers = StageBarriers::new();
+    let barriers = StageBarriers::new(cfg.kv_stages());
     if comptime!(cfg.tma) {
         // The copy engine completes on the barriers: their initialisation must be visible to it.
         sync_async_proxy_shared();
@@ -426,6 +428,8 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
     let bias_factor = T::staged_factor(coords.inv_scale, cfg);
     sync_cube();
 
+    // Three stages take no packed mask (`TileConfig::with_three_kv_stages`): every block of
+    // their walk is visible, and only two stages keep flags.
     let row = coords.hidden_row;
     let mut visible = count > 0 && block_visible(hidden_blocks, row, min(first, last));
     let mut visible_next = block_visible(hidden_blocks, row, min(first + step, last));
@@ -449,11 +453,35 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
             cfg,
         );
     }
-    let mut page_next = page_of::<I>(block_table, coords, min(first + step, last), cfg);
+    if comptime!(ahead > 1) {
+        let second = first + step;
+        if count > 1 {
+            let page_second = page_of::<I>(block_table, coords, second, cfg);
+            fetch_block::<E, M>(
+                k,
+                v,
+                k_map,
+                v_map,
+                mask,
+                bias,
+                coords,
+                &mut keys,
+                &mut values,
+                &mut mask_stages,
+                &mut bias_stages,
+                rows_of::<I>(block_table, coords, page_second, second, cfg),
+                second,
+                1,
+                &barriers,
+                cfg,
+            );
+        }
+    }
+    let mut page_next = page_of::<I>(block_table, coords, min(first + ahead * step, last), cfg);
     let query = query_block::<E, T>(q, coords, cfg);
     for i in 0..count {
         let block = walk.block(i);
-        let stage = i % 2;
+        let stage = i % cfg.kv_stages();
         barriers.wait(stage);
         if comptime!(cfg.tma && (cfg.key_lengths.0 || cfg.varlen.0)) {
             zero_value_tail::<E>(
@@ -477,7 +505,10 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
                 cfg,
             );
         }
-        if i + 1 < count && visible_next {
+        // The stage computed in the previous iteration is free again: the block `ahead` on
+        // fills it.
+        let fetched = block + ahead * step;
+        if i + ahead < count && visible_next {
             fetch_block::<E, M>(
                 k,
                 v,
@@ -490,14 +521,14 @@ fn kv_loop_pipelined<E: Float, M: Int, I: Int, T: AttentionTile<E>>(
                 &mut values,
                 &mut mask_stages,
                 &mut bias_stages,
-                rows_of::<I>(block_table, coords, page_next, block + step, cfg),
-                block + step,
-                1 - stage,
+                rows_of::<I>(block_table, coords, page_next, fetched, cfg),
+                fetched,
+                (i + ahead) % cfg.kv_stages(),
                 &barriers,
                 cfg,
             );
         }
-        page_next = page_of::<I>(block_table, coords, min(block + 2 * step, last), cfg);
+        page_next = page_of::<I>(block_table, coords, min(fetched + step, last), cfg);
         if visible {
             attend_block::<E, M, T>(
                 &query,
@@ -546,7 +577,8 @@ fn zero_value_tail<E: Float>(
             comptime!(cfg.staged_pitch(cfg.value_stride())),
             cfg.units(),
         );
-        // The copy engine writes this stage again two blocks on: order these writes first.
+        // The copy engine refills this stage once the ring comes round: order these writes
+        // first.
         sync_async_proxy_shared();
         sync_cube();
     }

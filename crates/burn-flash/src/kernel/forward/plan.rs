@@ -420,12 +420,17 @@ fn tensor_core_override() -> Option<(usize, usize, usize)> {
 /// decoding step, grouped heads packed into rows, a short speculative chunk) without score
 /// inputs, head dims up to 128: 16-row planes, so that a block's rows are not mostly empty and
 /// more cubes share an SM. On the H200 at head dim 128 this read the cache at 3.8–4.5 TB/s
-/// against 2.5–2.7 with the 128-row blocks (docs/perf-notes.md, 2026-11-29). One plane (three
-/// cubes an SM at head dim 128, the most bytes in flight), except where the one-plane grid takes
-/// more than one wave but less than two and four planes (two cubes an SM) fill their last wave
-/// better: there the short second wave is the tail. On the H200 (2026-11-30) one plane read
-/// 256 and 2,048 row blocks 1–5 % faster than four, and four read 512 row blocks 5–7 % faster
-/// than one. `None` elsewhere, or where `BURN_FLASH_TC_SHAPE` decides.
+/// against 2.5–2.7 with the 128-row blocks (docs/perf-notes.md, 2026-11-29).
+///
+/// Two KV stages (three one-plane cubes an SM at head dim 128) where the row blocks fit one
+/// wave of those; where they take more, three stages (two blocks in flight a cube, two cubes
+/// an SM), if two such cubes fit an SM. On the H200 (2026-12-03) three stages read 512 and
+/// 2,048 row blocks 0.5–2.4 % faster than two, and 256 row blocks or split keys 0–3.5 % slower.
+/// One plane, except where the one-plane grid takes more than one wave but less than two and
+/// four planes fill their last wave better: there the short second wave is the tail (with two
+/// stages, four planes read 512 row blocks 5–7 % faster than one on the H200, 2026-11-30).
+/// `None` elsewhere, or where `BURN_FLASH_TC_SHAPE` decides; `BURN_FLASH_KV_STAGES` decides
+/// the stages.
 fn short_query_shapes(
     caps: &DeviceCaps,
     tile: TilePath,
@@ -440,23 +445,35 @@ fn short_query_shapes(
         && plain
         && tensor_core_override().is_none();
     let sms = caps.sms.filter(|_| short)?;
-    let shapes =
-        |planes| TileConfig::tensor_core(problem.head_dim, problem.value_dim, planes, 16, 64);
+    let shapes = |planes, three| {
+        TileConfig::tensor_core(problem.head_dim, problem.value_dim, planes, 16, 64)
+            .with_three_kv_stages(three)
+    };
     // One row block per (batch, head): the query rows fit one plane's 16.
     let row_blocks = problem.heads * problem.batch;
-    let slots = |cfg: &TileConfig| {
-        sms * caps.cubes_per_sm(cfg.shared_bytes(problem.dtype.size()), cfg.units())
+    let per_sm =
+        |cfg: &TileConfig| caps.cubes_per_sm(cfg.shared_bytes(problem.dtype.size()), cfg.units());
+    let slots = |cfg: &TileConfig| sms * per_sm(cfg);
+    let three = match kv_stages_override() {
+        Some(stages) => stages == 3,
+        None => row_blocks > slots(&shapes(1, false)) && per_sm(&shapes(1, true)) >= 2,
     };
     let last_wave_fill =
         |slots: usize| row_blocks as f64 / (row_blocks.div_ceil(slots) * slots) as f64;
-    let (one, four) = (slots(&shapes(1)), slots(&shapes(4)));
+    let (one, four) = (slots(&shapes(1, three)), slots(&shapes(4, three)));
     let tail = row_blocks > one && row_blocks < 2 * one;
     let planes = if tail && last_wave_fill(four) > last_wave_fill(one) {
         4
     } else {
         1
     };
-    Some(shapes(planes))
+    Some(shapes(planes, three))
+}
+
+/// `BURN_FLASH_KV_STAGES=2|3`: the key/value stages of [`short_query_shapes`] (tuning runs).
+fn kv_stages_override() -> Option<usize> {
+    static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
+    *OVERRIDE.get_or_init(|| choice_override("BURN_FLASH_KV_STAGES", &[2, 3]))
 }
 
 /// The query rows up to which [`short_query_shapes`] applies: one 16-row plane.
@@ -1029,11 +1046,18 @@ mod tests {
             (cfg.planes, cfg.plane_rows, cfg.block_kv)
         };
         // 8 key/value heads of 4 packed query rows, 64 row blocks on 132 SMs: one plane, keys
-        // split. One-plane cubes (three an SM) hold 396 row blocks at once: 256 and 2,048 keep
-        // one plane, 512 would leave a second wave of 116 and take four planes (264 at once).
+        // split, two KV stages. One-plane cubes of two stages (three an SM) hold 396 row blocks
+        // at once: 256 keep two stages; 512 and 2,048 take three (two cubes an SM, 264 at
+        // once), whose four-plane cubes (one an SM) would not fill 512's last wave better.
+        let stages = |problem: &ForwardProblem| {
+            let cfg = ForwardPlan::new(&caps::h100(), problem).unwrap().cfg;
+            (cfg.planes, cfg.kv_stages())
+        };
         assert_eq!(shape(&decode(8, 8, 4, 128)), (1, 16, 64));
-        assert_eq!(shape(&decode(8, 32, 1, 128)), (1, 16, 64));
-        assert_eq!(shape(&decode(64, 8, 4, 128)), (4, 16, 64));
+        assert_eq!(stages(&decode(8, 8, 4, 128)), (1, 2));
+        assert_eq!(stages(&decode(8, 32, 1, 128)), (1, 2));
+        assert_eq!(stages(&decode(64, 8, 4, 128)), (1, 3));
+        assert_eq!(stages(&decode(64, 32, 1, 128)), (1, 3));
         assert_eq!(shape(&decode(64, 32, 1, 128)), (1, 16, 64));
         // Longer query blocks, wider heads and score inputs keep the default shapes.
         assert_eq!(shape(&decode(8, 8, 17, 128)), (4, 32, 64));
