@@ -88,10 +88,20 @@ fn paged(inputs: &Inputs, page: usize, device: &Device) -> (Tensor<4>, Tensor<4>
     let p = &inputs.problem;
     let per_sequence = p.seq_k.div_ceil(page);
     let pages = p.batch * per_sequence + 2;
-    // A fixed shuffle: page `i` of the sequences' run goes to `(i · 7 + 3) mod pages`, 7 prime
-    // to every pool size here.
+    // A fixed shuffle: page `i` of the sequences' run goes to `(i · m + 3) mod pages`, `m` the
+    // first from 7 up that is prime to the pool's size, so that no two pages meet (7 itself
+    // would fold 320 pages of a pool of 322 onto 46).
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let m = (7..)
+        .find(|&m| gcd(m, pages) == 1)
+        .expect("a multiplier prime to the pool");
     let table: Vec<i32> = (0..p.batch * per_sequence)
-        .map(|i| ((i * 7 + 3) % pages) as i32)
+        .map(|i| ((i * m + 3) % pages) as i32)
         .collect();
     let layout = |dense: &[f32], dim: usize| {
         let mut buffer = vec![1000.0f32; pages * page * p.kv_heads * dim];
@@ -300,7 +310,7 @@ mod wgpu {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
-    use crate::common::cuda::{cuda_device, has_tensor_cores};
+    use crate::common::cuda::{cuda_device, has_tensor_cores, has_tma};
     use common::unit_roundoff;
 
     /// The sanity bound of `cache::cuda` (`forward_cuda`'s) in bf16.
@@ -365,5 +375,47 @@ mod cuda {
             }
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// 512 row blocks (batch 64, 8 key/value heads of 4 packed query rows), more than one wave
+    /// of two-stage cubes on an H100 or H200: the plan stages keys and values three deep. Ragged
+    /// lengths walk 0, 1, 2 and more blocks (the ring's first two fetches before its loop),
+    /// contiguous and in shuffled pages of 64, and are small enough for the sanitizer.
+    #[test]
+    fn three_kv_stages_match_the_reference_cuda() {
+        let Some(device) = cuda_device("lengths::cuda::three_kv_stages_match_the_reference_cuda")
+        else {
+            return;
+        };
+        let lengths: Vec<i64> = [0, 1, 70, 129, 300, -2, 64, 191]
+            .into_iter()
+            .cycle()
+            .take(64)
+            .collect();
+        let cases = [Case::new(Spec::from(true)), Case::new(Spec::from(false))];
+        let before = burn_flash::testing::three_stage_forward_launches();
+        let mut failures = Vec::new();
+        for page in [None, Some(64)] {
+            let problem = Problem::cross(64, 32, 1, 300, 128).grouped(8);
+            failures.extend(run(
+                &device,
+                DType::BF16,
+                problem,
+                &lengths,
+                page,
+                &cases,
+                false,
+                accept,
+            ));
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+        // SM90's 228 KiB of shared memory holds two three-stage cubes an SM; smaller ones may
+        // keep two stages.
+        let launches = burn_flash::testing::three_stage_forward_launches() - before;
+        eprintln!("three-stage forward launches: {launches}");
+        if has_tma(&device) {
+            // Other tests of the process may add theirs.
+            assert!(launches >= 4, "the plan should have staged three deep");
+        }
     }
 }

@@ -338,6 +338,25 @@ pub(crate) fn record_wide_forward() {
     WIDE_FORWARDS.fetch_add(1, Ordering::Relaxed);
 }
 
+static THREE_STAGE_FORWARDS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many forward launches of this process have staged keys and values three deep (the
+/// decode plan's larger grids), so tests can tell that the path ran.
+///
+/// # Example
+///
+/// ```
+/// assert_eq!(burn_flash::testing::three_stage_forward_launches(), 0); // no attention ran yet
+/// ```
+pub fn three_stage_forward_launches() -> usize {
+    THREE_STAGE_FORWARDS.load(Ordering::Relaxed)
+}
+
+/// Counts one three-stage forward launch for [`three_stage_forward_launches`].
+pub(crate) fn record_three_stage_forward() {
+    THREE_STAGE_FORWARDS.fetch_add(1, Ordering::Relaxed);
+}
+
 static FORWARD_LAUNCH_NANOS: AtomicU64 = AtomicU64::new(0);
 
 /// Host time this process's forward launches have taken, in all: planning, allocating the

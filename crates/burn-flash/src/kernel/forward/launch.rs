@@ -279,6 +279,9 @@ fn launch(
     if cfg.tma {
         crate::testing::record_tma_launch();
     }
+    if cfg.three_kv_stages.0 {
+        crate::testing::record_three_stage_forward();
+    }
     let (k_map, v_map) = (stage_map(&k, &cfg), stage_map(&v, &cfg));
     let pages_per_sequence = cached.as_ref().map_or(1, CachedKeys::pages_per_sequence);
     let layout = layout(
