@@ -319,6 +319,34 @@ mod cuda {
         err.finite() && err.relative <= 4.0 * u && err.max_abs <= 8.0 * u * err.ref_max
     }
 
+    /// [`run`] in bf16 by [`accept`] on each of `problems`, contiguous and in shuffled pages
+    /// of `page` rows: the failures.
+    fn contiguous_and_paged(
+        device: &Device,
+        problems: &[Problem],
+        lengths: &[i64],
+        page: usize,
+        cases: &[Case],
+    ) -> Vec<String> {
+        [None, Some(page)]
+            .into_iter()
+            .flat_map(|page| {
+                problems.iter().flat_map(move |&problem| {
+                    run(
+                        device,
+                        DType::BF16,
+                        problem,
+                        lengths,
+                        page,
+                        cases,
+                        false,
+                        accept,
+                    )
+                })
+            })
+            .collect()
+    }
+
     /// The fused forward in bf16 on the tensor-core tile (decode shapes: grouped heads packed
     /// into rows, keys split across cubes), contiguous and in shuffled pages of 256, against the
     /// f64 reference of the same bf16 inputs, by [`accept`].
@@ -329,22 +357,9 @@ mod cuda {
         };
         assert!(has_tensor_cores(&device, DType::BF16));
         let lengths = [0, 1, 37, 64, 5000, 2047, -4, 100_000];
-        let mut failures = Vec::new();
-        for page in [None, Some(256)] {
-            for (seq_q, head_dim) in [(1, 128), (1, 64), (4, 128), (40, 64)] {
-                let problem = Problem::cross(8, 8, seq_q, 4096, head_dim).grouped(2);
-                failures.extend(run(
-                    &device,
-                    DType::BF16,
-                    problem,
-                    &lengths,
-                    page,
-                    &cases(true),
-                    false,
-                    accept,
-                ));
-            }
-        }
+        let problems = [(1, 128), (1, 64), (4, 128), (40, 64)]
+            .map(|(seq_q, head_dim)| Problem::cross(8, 8, seq_q, 4096, head_dim).grouped(2));
+        let failures = contiguous_and_paged(&device, &problems, &lengths, 256, &cases(true));
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 
@@ -357,23 +372,9 @@ mod cuda {
             return;
         };
         let lengths = [0, 1, 70, 129, 320, -2];
-        let mut failures = Vec::new();
-        for page in [None, Some(64)] {
-            for seq_q in [1, 5] {
-                let problem = Problem::cross(6, 4, seq_q, 320, 64).grouped(2);
-                let cases = [Case::new(Spec::from(true))];
-                failures.extend(run(
-                    &device,
-                    DType::BF16,
-                    problem,
-                    &lengths,
-                    page,
-                    &cases,
-                    false,
-                    accept,
-                ));
-            }
-        }
+        let problems = [1, 5].map(|seq_q| Problem::cross(6, 4, seq_q, 320, 64).grouped(2));
+        let cases = [Case::new(Spec::from(true))];
+        let failures = contiguous_and_paged(&device, &problems, &lengths, 64, &cases);
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 
@@ -394,20 +395,8 @@ mod cuda {
             .collect();
         let cases = [Case::new(Spec::from(true)), Case::new(Spec::from(false))];
         let before = burn_flash::testing::three_stage_forward_launches();
-        let mut failures = Vec::new();
-        for page in [None, Some(64)] {
-            let problem = Problem::cross(64, 32, 1, 300, 128).grouped(8);
-            failures.extend(run(
-                &device,
-                DType::BF16,
-                problem,
-                &lengths,
-                page,
-                &cases,
-                false,
-                accept,
-            ));
-        }
+        let problems = [Problem::cross(64, 32, 1, 300, 128).grouped(8)];
+        let failures = contiguous_and_paged(&device, &problems, &lengths, 64, &cases);
         assert!(failures.is_empty(), "{}", failures.join("\n"));
         // SM90's 228 KiB of shared memory holds two three-stage cubes an SM; smaller ones may
         // keep two stages.
