@@ -204,10 +204,9 @@ fn judge_problem<const RUNS: usize>(
     failures
 }
 
-/// Small and odd shapes, plain and causal, at every tensor-core head dim, then the features at
-/// tensor-core sizes.
+/// Small and odd shapes at head dims 64 and 128, plain and causal.
 fn small_problems() -> Vec<(Problem, Spec)> {
-    [
+    both_masks(vec![
         Problem::square(1, 1, 1, 64),
         Problem::square(2, 3, 7, 64),
         Problem::square(1, 2, 63, 64),
@@ -221,29 +220,25 @@ fn small_problems() -> Vec<(Problem, Spec)> {
         Problem::cross(1, 1, 7, 65, 128),
         Problem::cross(2, 1, 65, 130, 128),
         Problem::square(1, 2, 200, 128),
-    ]
-    .into_iter()
-    .chain(common::head_dim_problems())
-    .flat_map(|p| [(p, Spec::from(false)), (p, Spec::from(true))])
-    .chain(common::feature_cases())
-    .collect()
+    ])
 }
 
-/// Head dims the tensor-core tile runs zero-padded ([`common::padded_head_dim_problems`]), plain
-/// and causal.
-fn padded_problems() -> Vec<(Problem, Spec)> {
-    common::padded_head_dim_problems()
+/// Each problem plain and causal.
+fn both_masks(problems: Vec<Problem>) -> Vec<(Problem, Spec)> {
+    problems
         .into_iter()
         .flat_map(|p| [(p, Spec::from(false)), (p, Spec::from(true))])
         .collect()
 }
 
-/// `deterministic`: dQ by its own launch instead of f32 atomics (forced where not the faster).
-fn check_small(test: &str, dtype: DType, first_seed: u64, deterministic: bool) {
-    check_problems(test, dtype, first_seed, deterministic, small_problems());
+/// Head dims the tensor-core tile runs zero-padded ([`common::padded_head_dim_problems`]), plain
+/// and causal.
+fn padded_problems() -> Vec<(Problem, Spec)> {
+    both_masks(common::padded_head_dim_problems())
 }
 
-/// [`check_small`] on `problems`.
+/// The gradients of `problems` against the f64 reference; `deterministic`: dQ by its own launch
+/// instead of f32 atomics (forced where not the faster).
 fn check_problems(
     test: &str,
     dtype: DType,
@@ -296,16 +291,63 @@ fn check_problems(
 }
 
 /// bf16 gradients (Burn 0.21: on `Autodiff<Cuda<bf16>>`), small and odd shapes, dQ by atomics.
+/// The head dims and the features are tests of their own ([`head_dims_bf16`],
+/// [`features_bf16`]): their kernels take minutes to compile, head dim 256's backward 45–50 s
+/// on the H200's host, and one process a test spreads them over its cores.
 #[test]
 fn small_shapes_bf16() {
-    check_small("small_shapes_bf16", DType::BF16, 100, false);
+    check_problems(
+        "small_shapes_bf16",
+        DType::BF16,
+        100,
+        false,
+        small_problems(),
+    );
+}
+
+/// [`small_shapes_bf16`] at every other tensor-core head dim ([`common::head_dim_problems`]:
+/// 32, 96, 256, and values of another width), plain and causal.
+#[test]
+fn head_dims_bf16() {
+    let problems = both_masks(common::head_dim_problems());
+    check_problems("head_dims_bf16", DType::BF16, 130, false, problems);
+}
+
+/// [`small_shapes_bf16`] with the features at tensor-core sizes ([`common::feature_cases`]).
+#[test]
+fn features_bf16() {
+    let cases = common::feature_cases();
+    check_problems("features_bf16", DType::BF16, 150, false, cases);
 }
 
 /// f16 tensors (Burn 0.21: on `Autodiff<Cuda>`), small and odd shapes, dQ by its deterministic
 /// launch.
 #[test]
 fn small_shapes_f16_deterministic() {
-    check_small("small_shapes_f16_deterministic", DType::F16, 200, true);
+    let problems = small_problems();
+    check_problems(
+        "small_shapes_f16_deterministic",
+        DType::F16,
+        200,
+        true,
+        problems,
+    );
+}
+
+/// [`small_shapes_f16_deterministic`] at every other tensor-core head dim and with the features.
+#[test]
+fn head_dims_and_features_f16_deterministic() {
+    let cases = both_masks(common::head_dim_problems())
+        .into_iter()
+        .chain(common::feature_cases())
+        .collect();
+    check_problems(
+        "head_dims_and_features_f16_deterministic",
+        DType::F16,
+        230,
+        true,
+        cases,
+    );
 }
 
 /// bf16 gradients at head dims 80, 160, 192, 192/128 and 48, which the tensor-core tile runs
