@@ -147,10 +147,11 @@ impl ForwardPlan {
         let forward_bytes = |cfg: &TileConfig| cfg.shared_bytes(dtype.size());
         // With key lengths a map's box also reads the rows past a sequence's length, which the
         // kernel zeroes in the value stage; a page is a map coordinate like a batch.
+        // Three KV stages were measured with tensor maps only: 16-byte copies keep two.
         let cfg = if tma_staging(caps, &cfg, problem.kv_tma_aligned, forward_bytes) {
             cfg.with_tma()
         } else {
-            cfg
+            cfg.with_three_kv_stages(false)
         };
         let kv_splits = kv_splits(caps, &cfg, problem);
         let cfg = if kv_splits > 1 {
@@ -424,7 +425,7 @@ fn tensor_core_override() -> Option<(usize, usize, usize)> {
 ///
 /// Two KV stages (three one-plane cubes an SM at head dim 128) where the row blocks fit one
 /// wave of those; where they take more, three stages (two blocks in flight a cube, two cubes
-/// an SM), if two such cubes fit an SM. On the H200 (2026-12-03) three stages read 512 and
+/// an SM), if two such cubes fit an SM and tensor maps stage them (`ForwardPlan::new`). On the H200 (2026-12-03) three stages read 512 and
 /// 2,048 row blocks 0.5–2.4 % faster than two, and 256 row blocks or split keys 0–3.5 % slower.
 /// One plane, except where the one-plane grid takes more than one wave but less than two and
 /// four planes fill their last wave better: there the short second wave is the tail (with two
@@ -1059,6 +1060,12 @@ mod tests {
         assert_eq!(stages(&decode(64, 8, 4, 128)), (1, 3));
         assert_eq!(stages(&decode(64, 32, 1, 128)), (1, 3));
         assert_eq!(shape(&decode(64, 32, 1, 128)), (1, 16, 64));
+        // Keys and values that tensor maps cannot stage keep two stages (measured with maps).
+        let unaligned = ForwardProblem {
+            kv_tma_aligned: false,
+            ..decode(64, 8, 4, 128)
+        };
+        assert_eq!(stages(&unaligned), (1, 2));
         // Longer query blocks, wider heads and score inputs keep the default shapes.
         assert_eq!(shape(&decode(8, 8, 17, 128)), (4, 32, 64));
         assert_eq!(shape(&decode(8, 8, 4, 256)), (8, 16, 64));
