@@ -553,9 +553,9 @@ impl TileConfig {
         }
     }
 
-    /// These blocks with keys and values in three stages ([`three_kv_stages`](Self::three_kv_stages))
-    /// where `three`. The staged mask and bias keep two stages: only blocks without them take
-    /// three.
+    /// These blocks with keys and values in three stages
+    /// ([`three_kv_stages`](Self::three_kv_stages)) where `three`. The staged mask and bias keep
+    /// two stages: only blocks without them take three.
     pub fn with_three_kv_stages(self, three: bool) -> Self {
         assert!(
             !three || (self.staged == Staged::default() && !self.mask.packed),

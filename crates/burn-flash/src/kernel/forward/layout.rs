@@ -68,9 +68,10 @@ fn strides(tensor: &KernelTensor) -> StridesLaunch {
 
 /// The layout of a launch over these tensors (`out` and `lse` hold a head per (split, query
 /// head); with a block table, K and V are `[pages, kv_heads, page_size, dim]` and each
-/// sequence has `pages_per_sequence` entries, 1 without). Keys and values staged by tensor maps (`kv_by_maps`) are addressed by coordinates,
-/// never by strides: theirs are passed as zeros, since a cache of more than `u32::MAX`
-/// elements keeps a 32-bit kernel, whose scalars they would not fit.
+/// sequence has `pages_per_sequence` entries, 1 without). Keys and values staged by tensor
+/// maps (`kv_by_maps`) are addressed by coordinates, never by strides: theirs are passed as
+/// zeros, since a cache of more than `u32::MAX` elements keeps a 32-bit kernel, whose scalars
+/// they would not fit.
 pub fn layout(
     q: &KernelTensor,
     k: &KernelTensor,

@@ -147,11 +147,10 @@ impl ForwardPlan {
         let forward_bytes = |cfg: &TileConfig| cfg.shared_bytes(dtype.size());
         // With key lengths a map's box also reads the rows past a sequence's length, which the
         // kernel zeroes in the value stage; a page is a map coordinate like a batch.
-        // Three KV stages were measured with tensor maps only: 16-byte copies keep two.
         let cfg = if tma_staging(caps, &cfg, problem.kv_tma_aligned, forward_bytes) {
             cfg.with_tma()
         } else {
-            cfg.with_three_kv_stages(false)
+            cfg
         };
         let kv_splits = kv_splits(caps, &cfg, problem);
         let cfg = if kv_splits > 1 {
@@ -425,13 +424,14 @@ fn tensor_core_override() -> Option<(usize, usize, usize)> {
 ///
 /// Two KV stages (three one-plane cubes an SM at head dim 128) where the row blocks fit one
 /// wave of those; where they take more, three stages (two blocks in flight a cube, two cubes
-/// an SM), if two such cubes fit an SM and tensor maps stage them (`ForwardPlan::new`). On the H200 (2026-12-03) three stages read 512 and
-/// 2,048 row blocks 0.5–2.4 % faster than two, and 256 row blocks or split keys 0–3.5 % slower.
+/// an SM), if two such cubes fit an SM and tensor maps stage them (the only staging measured
+/// with three). On the H200 (2026-12-03) three stages read 512 and 2,048 row blocks 0.5–2.4 %
+/// faster than two, and 256 row blocks or split keys 0–3.5 % slower.
 /// One plane, except where the one-plane grid takes more than one wave but less than two and
 /// four planes fill their last wave better: there the short second wave is the tail (with two
 /// stages, four planes read 512 row blocks 5–7 % faster than one on the H200, 2026-11-30).
 /// `None` elsewhere, or where `BURN_FLASH_TC_SHAPE` decides; `BURN_FLASH_KV_STAGES` decides
-/// the stages.
+/// the stages where tensor maps stage K and V.
 fn short_query_shapes(
     caps: &DeviceCaps,
     tile: TilePath,
@@ -452,13 +452,15 @@ fn short_query_shapes(
     };
     // One row block per (batch, head): the query rows fit one plane's 16.
     let row_blocks = problem.heads * problem.batch;
-    let per_sm =
-        |cfg: &TileConfig| caps.cubes_per_sm(cfg.shared_bytes(problem.dtype.size()), cfg.units());
+    let bytes = |cfg: &TileConfig| cfg.shared_bytes(problem.dtype.size());
+    let per_sm = |cfg: &TileConfig| caps.cubes_per_sm(bytes(cfg), cfg.units());
     let slots = |cfg: &TileConfig| sms * per_sm(cfg);
-    let three = match kv_stages_override() {
-        Some(stages) => stages == 3,
-        None => row_blocks > slots(&shapes(1, false)) && per_sm(&shapes(1, true)) >= 2,
-    };
+    let by_maps = tma_staging(caps, &shapes(1, true), problem.kv_tma_aligned, bytes);
+    let three = by_maps
+        && match kv_stages_override() {
+            Some(stages) => stages == 3,
+            None => row_blocks > slots(&shapes(1, false)) && per_sm(&shapes(1, true)) >= 2,
+        };
     let last_wave_fill =
         |slots: usize| row_blocks as f64 / (row_blocks.div_ceil(slots) * slots) as f64;
     let (one, four) = (slots(&shapes(1, three)), slots(&shapes(4, three)));
@@ -1060,12 +1062,13 @@ mod tests {
         assert_eq!(stages(&decode(64, 8, 4, 128)), (1, 3));
         assert_eq!(stages(&decode(64, 32, 1, 128)), (1, 3));
         assert_eq!(shape(&decode(64, 32, 1, 128)), (1, 16, 64));
-        // Keys and values that tensor maps cannot stage keep two stages (measured with maps).
+        // Keys and values that tensor maps cannot stage keep two stages (three were measured
+        // with maps only), and so the two-stage tail rule: four planes for 512 row blocks.
         let unaligned = ForwardProblem {
             kv_tma_aligned: false,
             ..decode(64, 8, 4, 128)
         };
-        assert_eq!(stages(&unaligned), (1, 2));
+        assert_eq!(stages(&unaligned), (4, 2));
         // Longer query blocks, wider heads and score inputs keep the default shapes.
         assert_eq!(shape(&decode(8, 8, 17, 128)), (4, 32, 64));
         assert_eq!(shape(&decode(8, 8, 4, 256)), (8, 16, 64));

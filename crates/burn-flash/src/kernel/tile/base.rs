@@ -117,12 +117,12 @@ pub trait AttentionTile<E: Float>: 'static + Send + Sync {
 
     /// Write `factor` times this unit's accumulators `regs` (laid out as
     /// [`accumulate`](Self::accumulate) leaves them, `cfg.value_dim` wide) to rows `start + r` of
-    /// one head of `out` (from element `head_base`, `row_stride` apart), skipping rows at or past `seq`. `owned` is
-    /// the operand this cube owns (as [`load_query`](Self::load_query) gave it for these rows;
-    /// its rows at least `cfg.value_dim` wide) and is consumed: the tensor-core tile stages the
-    /// block in its shared memory and writes whole 16-byte row chunks, where storing from the
-    /// accumulator layout would issue one 2-byte store per register; the portable tile stores
-    /// its row directly.
+    /// one head of `out` (from element `head_base`, `row_stride` apart), skipping rows at or past
+    /// `seq`. `owned` is the operand this cube owns (as [`load_query`](Self::load_query) gave
+    /// it for these rows; its rows at least `cfg.value_dim` wide) and is consumed: the
+    /// tensor-core tile stages the block in its shared memory and writes whole 16-byte row
+    /// chunks, where storing from the accumulator layout would issue one 2-byte store per
+    /// register; the portable tile stores its row directly.
     #[allow(clippy::too_many_arguments)]
     fn store_owned(
         owned: &mut Self::Query,
