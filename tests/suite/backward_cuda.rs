@@ -305,12 +305,39 @@ fn small_shapes_bf16() {
     );
 }
 
-/// [`small_shapes_bf16`] at every other tensor-core head dim ([`common::head_dim_problems`]:
-/// 32, 96, 256, and values of another width), plain and causal.
+/// [`common::head_dim_problems`] plain and causal, split where head dim 256 or values of another
+/// width begin (`wide`): each half's kernels compile in about three minutes on the H200's host.
+fn head_dim_cases(wide: bool) -> Vec<(Problem, Spec)> {
+    let is_wide = |p: &Problem| p.head_dim.max(p.value_dim) == 256 || p.head_dim != p.value_dim;
+    let problems = common::head_dim_problems()
+        .into_iter()
+        .filter(|p| is_wide(p) == wide)
+        .collect();
+    both_masks(problems)
+}
+
+/// [`small_shapes_bf16`] at head dims 32 and 96, plain and causal.
 #[test]
 fn head_dims_bf16() {
-    let problems = both_masks(common::head_dim_problems());
-    check_problems("head_dims_bf16", DType::BF16, 130, false, problems);
+    check_problems(
+        "head_dims_bf16",
+        DType::BF16,
+        130,
+        false,
+        head_dim_cases(false),
+    );
+}
+
+/// [`small_shapes_bf16`] at head dim 256 and with values of another width than the keys.
+#[test]
+fn wide_and_mixed_head_dims_bf16() {
+    check_problems(
+        "wide_and_mixed_head_dims_bf16",
+        DType::BF16,
+        135,
+        false,
+        head_dim_cases(true),
+    );
 }
 
 /// [`small_shapes_bf16`] with the features at tensor-core sizes ([`common::feature_cases`]).
@@ -334,20 +361,31 @@ fn small_shapes_f16_deterministic() {
     );
 }
 
-/// [`small_shapes_f16_deterministic`] at every other tensor-core head dim and with the features.
+/// [`small_shapes_f16_deterministic`] at head dims 32 and 96.
 #[test]
-fn head_dims_and_features_f16_deterministic() {
-    let cases = both_masks(common::head_dim_problems())
-        .into_iter()
-        .chain(common::feature_cases())
-        .collect();
+fn head_dims_f16_deterministic() {
+    let cases = head_dim_cases(false);
+    check_problems("head_dims_f16_deterministic", DType::F16, 230, true, cases);
+}
+
+/// [`small_shapes_f16_deterministic`] at head dim 256 and with values of another width.
+#[test]
+fn wide_and_mixed_head_dims_f16_deterministic() {
+    let cases = head_dim_cases(true);
     check_problems(
-        "head_dims_and_features_f16_deterministic",
+        "wide_and_mixed_head_dims_f16_deterministic",
         DType::F16,
-        230,
+        240,
         true,
         cases,
     );
+}
+
+/// [`small_shapes_f16_deterministic`] with the features at tensor-core sizes.
+#[test]
+fn features_f16_deterministic() {
+    let cases = common::feature_cases();
+    check_problems("features_f16_deterministic", DType::F16, 260, true, cases);
 }
 
 /// bf16 gradients at head dims 80, 160, 192, 192/128 and 48, which the tensor-core tile runs
