@@ -379,12 +379,14 @@ mod cuda {
     }
 
     /// 512 row blocks (batch 64, 8 key/value heads of 4 packed query rows), more than one wave
-    /// of two-stage cubes on an H100 or H200: the plan stages keys and values three deep. Ragged
-    /// lengths walk 0, 1, 2 and more blocks (the ring's first two fetches before its loop),
-    /// contiguous and in shuffled pages of 64, and are small enough for the sanitizer.
+    /// of two-stage 64-key cubes on an H100 or H200: the plan stages 32 keys at a time there,
+    /// and under [`force_three_kv_stages`](burn_flash::testing::force_three_kv_stages) three
+    /// 64-key stages. Ragged lengths walk 0, 1, 2 and more blocks (a three-stage ring's first
+    /// two fetches come before its loop), contiguous and in shuffled pages of 64, and are small
+    /// enough for the sanitizer.
     #[test]
-    fn three_kv_stages_match_the_reference_cuda() {
-        let Some(device) = cuda_device("lengths::cuda::three_kv_stages_match_the_reference_cuda")
+    fn wide_decode_grids_match_the_reference_cuda() {
+        let Some(device) = cuda_device("lengths::cuda::wide_decode_grids_match_the_reference_cuda")
         else {
             return;
         };
@@ -394,17 +396,20 @@ mod cuda {
             .take(64)
             .collect();
         let cases = [Case::new(Spec::from(true)), Case::new(Spec::from(false))];
-        let before = burn_flash::testing::three_stage_forward_launches();
         let problems = [Problem::cross(64, 32, 1, 300, 128).grouped(8)];
         let failures = contiguous_and_paged(&device, &problems, &lengths, 64, &cases);
         assert!(failures.is_empty(), "{}", failures.join("\n"));
-        // SM90's 228 KiB of shared memory holds two three-stage cubes an SM; smaller ones may
-        // keep two stages.
+
+        let three = burn_flash::testing::force_three_kv_stages();
+        let before = burn_flash::testing::three_stage_forward_launches();
+        let failures = contiguous_and_paged(&device, &problems, &lengths, 64, &cases);
         let launches = burn_flash::testing::three_stage_forward_launches() - before;
+        drop(three);
+        assert!(failures.is_empty(), "three stages: {}", failures.join("\n"));
         eprintln!("three-stage forward launches: {launches}");
         if has_tma(&device) {
             // Other tests of the process may add theirs.
-            assert!(launches >= 4, "the plan should have staged three deep");
+            assert!(launches >= 4, "the guard should have staged three deep");
         }
     }
 }

@@ -338,10 +338,42 @@ pub(crate) fn record_wide_forward() {
     WIDE_FORWARDS.fetch_add(1, Ordering::Relaxed);
 }
 
+static FORCED_THREE_KV_STAGES: AtomicUsize = AtomicUsize::new(0);
+
+/// While the returned guard lives, decoding forwards (at most 16 query rows a key/value head)
+/// whose keys and values tensor maps stage cycle them through three shared-memory stages, two
+/// blocks in flight while one is computed, as `BURN_FLASH_KV_STAGES=3` does for a process; by
+/// default they take two (`docs/forward.md`, "Block shapes"). Guards nest and may live on
+/// several threads at once.
+///
+/// # Example
+///
+/// ```
+/// let three = burn_flash::testing::force_three_kv_stages();
+/// // ... run decoding forwards ...
+/// drop(three);
+/// ```
+#[must_use = "three stages are forced only while the guard lives"]
+pub fn force_three_kv_stages() -> ForcedThreeKvStages {
+    ForcedThreeKvStages {
+        _held: Held::new(&FORCED_THREE_KV_STAGES),
+    }
+}
+
+/// Guard of [`force_three_kv_stages`].
+pub struct ForcedThreeKvStages {
+    _held: Held,
+}
+
+/// Whether some [`force_three_kv_stages`] guard lives; read by the decode plan.
+pub(crate) fn three_kv_stages_forced() -> bool {
+    Held::any(&FORCED_THREE_KV_STAGES)
+}
+
 static THREE_STAGE_FORWARDS: AtomicUsize = AtomicUsize::new(0);
 
-/// How many forward launches of this process have staged keys and values three deep (the
-/// decode plan's larger grids), so tests can tell that the path ran.
+/// How many forward launches of this process have staged keys and values three deep (under
+/// [`force_three_kv_stages`] or `BURN_FLASH_KV_STAGES=3`), so tests can tell that the path ran.
 ///
 /// # Example
 ///

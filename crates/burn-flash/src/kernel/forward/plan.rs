@@ -422,16 +422,21 @@ fn tensor_core_override() -> Option<(usize, usize, usize)> {
 /// more cubes share an SM. On the H200 at head dim 128 this read the cache at 3.8–4.5 TB/s
 /// against 2.5–2.7 with the 128-row blocks (docs/perf-notes.md, 2026-11-29).
 ///
-/// Two KV stages (three one-plane cubes an SM at head dim 128) where the row blocks fit one
-/// wave of those; where they take more, three stages (two blocks in flight a cube, two cubes
-/// an SM), if two such cubes fit an SM and tensor maps stage them (the only staging measured
-/// with three). On the H200 (2026-12-03) three stages read 512 and 2,048 row blocks 0.5–2.4 %
-/// faster than two, and 256 row blocks or split keys 0–3.5 % slower.
+/// Two KV stages of 64 keys (three one-plane cubes an SM at head dim 128) where the row blocks
+/// fit one wave of those; where they take more but fit one wave of 32-key cubes (twice as many
+/// an SM) and tensor maps stage them, 32-key stages, so that no cube waits for a second wave:
+/// on the H200 (2026-12-03) 512 row blocks read 0.8–2.1 % faster so than on three 64-key
+/// stages and 0.9–5.3 % faster than on two; 2,048 (3.1 waves) read 1.4–2.1 % slower, 256 (one
+/// wave either way) 10–12 % slower. Three stages (two blocks in flight a cube, two cubes an SM) only where a
+/// [`force_three_kv_stages`](crate::testing::force_three_kv_stages) guard lives or
+/// `BURN_FLASH_KV_STAGES=3`, with tensor maps: on one H200 they read 512 and 2,048 row blocks
+/// 0.5–2.4 % faster than two, on another 2,048 2.4–4.9 % slower, and 256 row blocks or split
+/// keys 0–3.5 % slower on both.
 /// One plane, except where the one-plane grid takes more than one wave but less than two and
 /// four planes fill their last wave better: there the short second wave is the tail (with two
 /// stages, four planes read 512 row blocks 5–7 % faster than one on the H200, 2026-11-30).
-/// `None` elsewhere, or where `BURN_FLASH_TC_SHAPE` decides; `BURN_FLASH_KV_STAGES` decides
-/// the stages where tensor maps stage K and V.
+/// `None` elsewhere, or where `BURN_FLASH_TC_SHAPE` decides; `BURN_FLASH_DECODE_BLOCK_KV`
+/// decides the keys per stage.
 fn short_query_shapes(
     caps: &DeviceCaps,
     tile: TilePath,
@@ -446,8 +451,8 @@ fn short_query_shapes(
         && plain
         && tensor_core_override().is_none();
     let sms = caps.sms.filter(|_| short)?;
-    let shapes = |planes, three| {
-        TileConfig::tensor_core(problem.head_dim, problem.value_dim, planes, 16, 64)
+    let shapes = |planes, block_kv, three| {
+        TileConfig::tensor_core(problem.head_dim, problem.value_dim, planes, 16, block_kv)
             .with_three_kv_stages(three)
     };
     // One row block per (batch, head): the query rows fit one plane's 16.
@@ -455,28 +460,43 @@ fn short_query_shapes(
     let bytes = |cfg: &TileConfig| cfg.shared_bytes(problem.dtype.size());
     let per_sm = |cfg: &TileConfig| caps.cubes_per_sm(bytes(cfg), cfg.units());
     let slots = |cfg: &TileConfig| sms * per_sm(cfg);
-    let by_maps = tma_staging(caps, &shapes(1, true), problem.kv_tma_aligned, bytes);
-    let three = by_maps
-        && match kv_stages_override() {
-            Some(stages) => stages == 3,
-            None => row_blocks > slots(&shapes(1, false)) && per_sm(&shapes(1, true)) >= 2,
-        };
+    let by_maps = |cfg: &TileConfig| tma_staging(caps, cfg, problem.kv_tma_aligned, bytes);
+    let three_wanted = crate::testing::three_kv_stages_forced() || kv_stages_override() == Some(3);
+    let three = three_wanted && by_maps(&shapes(1, 64, true));
+    let one_wave = |block_kv| row_blocks <= slots(&shapes(1, block_kv, false));
+    let block_kv = decode_block_kv_override().unwrap_or(
+        if !three && !one_wave(64) && one_wave(32) && by_maps(&shapes(1, 32, false)) {
+            32
+        } else {
+            64
+        },
+    );
     let last_wave_fill =
         |slots: usize| row_blocks as f64 / (row_blocks.div_ceil(slots) * slots) as f64;
-    let (one, four) = (slots(&shapes(1, three)), slots(&shapes(4, three)));
+    let (one, four) = (
+        slots(&shapes(1, block_kv, three)),
+        slots(&shapes(4, block_kv, three)),
+    );
     let tail = row_blocks > one && row_blocks < 2 * one;
     let planes = if tail && last_wave_fill(four) > last_wave_fill(one) {
         4
     } else {
         1
     };
-    Some(shapes(planes, three))
+    Some(shapes(planes, block_kv, three))
 }
 
 /// `BURN_FLASH_KV_STAGES=2|3`: the key/value stages of [`short_query_shapes`] (tuning runs).
 fn kv_stages_override() -> Option<usize> {
     static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
     *OVERRIDE.get_or_init(|| choice_override("BURN_FLASH_KV_STAGES", &[2, 3]))
+}
+
+/// `BURN_FLASH_DECODE_BLOCK_KV=32|64`: the keys per stage of [`short_query_shapes`] (tuning
+/// runs).
+fn decode_block_kv_override() -> Option<usize> {
+    static OVERRIDE: OnceLock<Option<usize>> = OnceLock::new();
+    *OVERRIDE.get_or_init(|| choice_override("BURN_FLASH_DECODE_BLOCK_KV", &[32, 64]))
 }
 
 /// The query rows up to which [`short_query_shapes`] applies: one 16-row plane.
@@ -1049,9 +1069,9 @@ mod tests {
             (cfg.planes, cfg.plane_rows, cfg.block_kv)
         };
         // 8 key/value heads of 4 packed query rows, 64 row blocks on 132 SMs: one plane, keys
-        // split, two KV stages. One-plane cubes of two stages (three an SM) hold 396 row blocks
-        // at once: 256 keep two stages; 512 and 2,048 take three (two cubes an SM, 264 at
-        // once), whose four-plane cubes (one an SM) would not fill 512's last wave better.
+        // split, two KV stages. One-plane cubes of two 64-key stages (three an SM) hold 396
+        // row blocks at once: 256 keep them; 512 take 32-key stages (one wave of those), 2,048
+        // (more than a wave either way) 64-key ones.
         let stages = |problem: &ForwardProblem| {
             let cfg = ForwardPlan::new(&caps::h100(), problem).unwrap().cfg;
             (cfg.planes, cfg.kv_stages())
@@ -1059,16 +1079,25 @@ mod tests {
         assert_eq!(shape(&decode(8, 8, 4, 128)), (1, 16, 64));
         assert_eq!(stages(&decode(8, 8, 4, 128)), (1, 2));
         assert_eq!(stages(&decode(8, 32, 1, 128)), (1, 2));
-        assert_eq!(stages(&decode(64, 8, 4, 128)), (1, 3));
-        assert_eq!(stages(&decode(64, 32, 1, 128)), (1, 3));
+        assert_eq!(shape(&decode(8, 32, 1, 128)), (1, 16, 64));
+        assert_eq!(shape(&decode(64, 8, 4, 128)), (1, 16, 32));
+        assert_eq!(stages(&decode(64, 8, 4, 128)), (1, 2));
         assert_eq!(shape(&decode(64, 32, 1, 128)), (1, 16, 64));
-        // Keys and values that tensor maps cannot stage keep two stages (three were measured
-        // with maps only), and so the two-stage tail rule: four planes for 512 row blocks.
+        assert_eq!(stages(&decode(64, 32, 1, 128)), (1, 2));
+        // Three 64-key stages only where forced (and tensor maps stage them).
+        let three = crate::testing::force_three_kv_stages();
+        assert_eq!(stages(&decode(64, 8, 4, 128)), (1, 3));
+        assert_eq!(shape(&decode(64, 8, 4, 128)), (1, 16, 64));
+        assert_eq!(stages(&decode(8, 32, 1, 128)), (1, 3));
+        drop(three);
+        // Keys and values that tensor maps cannot stage keep 64-key stages (32 were measured
+        // with maps only), and so the tail rule: four planes for 512 row blocks.
         let unaligned = ForwardProblem {
             kv_tma_aligned: false,
             ..decode(64, 8, 4, 128)
         };
         assert_eq!(stages(&unaligned), (4, 2));
+        assert_eq!(shape(&unaligned), (4, 16, 64));
         // Longer query blocks, wider heads and score inputs keep the default shapes.
         assert_eq!(shape(&decode(8, 8, 17, 128)), (4, 32, 64));
         assert_eq!(shape(&decode(8, 8, 4, 256)), (8, 16, 64));
