@@ -430,7 +430,7 @@ fn tensor_core_override() -> Option<(usize, usize, usize)> {
 /// wave either way) 10–12 % slower. Three stages (two blocks in flight a cube, two cubes an SM) only where a
 /// [`force_three_kv_stages`](crate::testing::force_three_kv_stages) guard lives or
 /// `BURN_FLASH_KV_STAGES=3`, with tensor maps: on one H200 they read 512 and 2,048 row blocks
-/// 0.5–2.4 % faster than two, on another 2,048 2.4–4.9 % slower, and 256 row blocks or split
+/// 0.5–2.4 % faster than two, on another 2,048 2.3–4.9 % slower, and 256 row blocks or split
 /// keys 0–3.5 % slower on both.
 /// One plane, except where the one-plane grid takes more than one wave but less than two and
 /// four planes fill their last wave better: there the short second wave is the tail (with two
