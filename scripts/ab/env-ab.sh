@@ -6,12 +6,14 @@
 # "BURN_FLASH_BWD_SPLIT=1", "@.gpu/bench-old base", "BURN_FLASH_DQ_ATOMIC=1 | --atomic-dq".
 #
 #   ROUNDS=2 scripts/ab/env-ab.sh BENCH SPEC... -- BENCH_ARGS...   (writes CSV to stdout)
+#
+# AB_COLUMNS: the bench's CSV columns after round and spec (default bench-attention's).
 set -uo pipefail
 default_bench=$1 && shift
 specs=()
 while [ $# -gt 0 ] && [ "$1" != -- ]; do specs+=("$1") && shift; done
 shift
-echo "round,spec,impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops"
+echo "round,spec,${AB_COLUMNS:-impl,dtype,b,h,hkv,n,d,causal,mode,ms,tflops}"
 for round in $(seq "${ROUNDS:-2}"); do
   for spec in "${specs[@]}"; do
     words=${spec%%|*} flags= vars=() bench=$default_bench
