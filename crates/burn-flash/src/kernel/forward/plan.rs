@@ -424,10 +424,11 @@ fn tensor_core_override() -> Option<(usize, usize, usize)> {
 ///
 /// Two KV stages of 64 keys (three one-plane cubes an SM at head dim 128) where the row blocks
 /// fit one wave of those; where they take more but fit one wave of 32-key cubes (twice as many
-/// an SM) and tensor maps stage them, 32-key stages, so that no cube waits for a second wave:
-/// on the H200 (2026-12-03) 512 row blocks read 0.8–2.1 % faster so than on three 64-key
-/// stages and 0.9–5.3 % faster than on two; 2,048 (3.1 waves) read 1.4–2.1 % slower, 256 (one
-/// wave either way) 10–12 % slower. Three stages (two blocks in flight a cube, two cubes an SM) only where a
+/// an SM) and tensor maps stage them, two 32-key stages, so that no cube waits for a second
+/// wave. On the H200 (2026-12-03) 32-key stages read 512 row blocks 0.8–2.1 % faster than three
+/// 64-key stages and 0.9–5.3 % faster than two, 2,048 (3.1 waves) 1.4–2.1 % slower than two
+/// 64-key stages, 256 (one wave either way) 10–12 % slower. Three stages (two blocks in flight
+/// a cube, two cubes an SM) only where a
 /// [`force_three_kv_stages`](crate::testing::force_three_kv_stages) guard lives or
 /// `BURN_FLASH_KV_STAGES=3`, with tensor maps: on one H200 they read 512 and 2,048 row blocks
 /// 0.5–2.4 % faster than two, on another 2,048 2.3–4.9 % slower, and 256 row blocks or split
