@@ -442,8 +442,8 @@ fn small_shapes_bf16() {
 /// chunk of four (causal bottom-right), 32 query heads over 8 or 4 key/value heads at head dim
 /// 128, caches of 1 to 4100 keys (ragged against the key blocks). The plan takes 16-row blocks
 /// of one plane, keys split where the row blocks are fewer than the SMs (down to a key block a
-/// split), whole for the 160 row blocks of the fifth case, and three key/value stages for the
-/// 512 of the last (on 132 SMs more than one wave of two-stage cubes).
+/// split), whole for the 160 row blocks of the fifth case, and 32-key stages for the 512 of the
+/// last (on 132 SMs more than one wave of 64-key cubes, one of 32-key ones).
 #[test]
 fn decode_shapes_bf16() {
     let problems = [
